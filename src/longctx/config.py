@@ -1,0 +1,342 @@
+"""Typed, validated params.
+
+A run's params are a named profile (``src/longctx/profiles/<name>.yaml``) with the sections of
+``params.yaml`` merged over it key by key (a ``null`` drops a key). Everything is validated
+before any work starts: unknown keys, wrong types and impossible values are errors that name
+the dotted key.
+"""
+
+from __future__ import annotations
+
+import math
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeInt,
+    PositiveInt,
+    ValidationError,
+    model_validator,
+)
+
+from .errors import ConfigError
+
+SUM_TOLERANCE = 1e-6
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# ---------------------------------------------------------------- corpora
+
+BuiltinName = Literal["stdlib_repos", "stdlib_books", "stdlib_short", "stdlib_sft"]
+
+
+class SourceSpec(Strict):
+    """Where one stream of documents comes from: exactly one of path, hub, builtin."""
+
+    path: str | None = None
+    """Local file or directory of .txt/.md (one document per file), .jsonl or .parquet."""
+    hub: str | None = None
+    """A `datasets` hub id (or a local dataset directory), read with streaming."""
+    builtin: BuiltinName | None = None
+    """Real text every Python install has (the offline `tiny` profile)."""
+    name: str | None = None
+    split: str = "train"
+    text_field: str = "text"
+    messages_field: str = "messages"
+    """Column with UltraChat-style messages: kept for sft domains, rendered as text otherwise."""
+    filter: dict[str, str] = Field(default_factory=dict)
+    """Hub rows are kept only where each dotted field equals the value."""
+    group_by: str | None = None
+    """Concatenate consecutive rows sharing this field into one document (repo-level code)."""
+    header_field: str | None = None
+    """With group_by: a field (e.g. the file path) written as a header before each row."""
+    part: str | None = None
+    """Builtin only: which slice of the builtin text (e.g. stdlib_short: docstrings|modules|topics)."""
+    max_docs: PositiveInt | None = None
+    max_bytes: PositiveInt | None = None
+    site_packages: bool = False
+    """stdlib_repos: also read installed third-party packages as repositories."""
+
+    @model_validator(mode="after")
+    def _one_origin(self) -> SourceSpec:
+        given = [k for k in ("path", "hub", "builtin") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of path, hub, builtin (got {given or 'none'})")
+        if self.header_field and not self.group_by:
+            raise ValueError("header_field needs group_by")
+        return self
+
+
+class DomainSpec(Strict):
+    kind: Literal["long", "short", "sft"]
+    """long: filtered by length and cut into single-document chunks; short: packed with
+    carry-over; sft: conversations packed with an assistant-only loss mask."""
+    sources: list[SourceSpec] = Field(min_length=1)
+
+
+class CorporaConfig(Strict):
+    seed: int = 0
+    invalid_utf8: Literal["replace", "reject"] = "replace"
+    """Local files with bytes that are not UTF-8: replace them with U+FFFD (counted in the
+    manifest) or reject the file."""
+    domains: dict[str, DomainSpec] = Field(min_length=1)
+
+
+# ---------------------------------------------------------------- tokenize
+
+
+class TrainBPE(Strict):
+    vocab_size: int = Field(ge=300, le=1 << 20)
+    min_frequency: PositiveInt = 2
+    sample_bytes: PositiveInt = 20_000_000
+    """Bytes of text (spread over domains) the tokenizer is trained on."""
+
+
+class TokenizerSpec(Strict):
+    path: str | None = None
+    """A tokenizer directory (tokenizer.json [+ tokenizer_config.json]) or a hub model id."""
+    train: TrainBPE | None = None
+    """Train a byte-level BPE on the corpus instead."""
+    chat_template: str | None = None
+    """Jinja chat template; overrides the tokenizer's own."""
+
+    @model_validator(mode="after")
+    def _one(self) -> TokenizerSpec:
+        if (self.path is None) == (self.train is None):
+            raise ValueError("give exactly one of path, train")
+        return self
+
+
+class TokenizeConfig(Strict):
+    tokenizer: TokenizerSpec
+    dtype: Literal["auto", "uint16", "uint32"] = "auto"
+    add_bos: bool = True
+    add_eos: bool = True
+    long_min_tokens: PositiveInt
+    """Documents of long-data domains shorter than this are dropped."""
+    batch_size: PositiveInt = 512
+    num_workers: NonNegativeInt = 2
+    """Encoding processes; 0 encodes in the stage's own process."""
+    shard_tokens: PositiveInt = 1 << 28
+
+
+# ---------------------------------------------------------------- pack
+
+
+class SplitSpec(Strict):
+    seq_len: PositiveInt
+    chunk_len: PositiveInt | None = None
+    """Length at which short and SFT data are packed and long documents are cut, unless
+    `lengths` says otherwise; several chunks fill one sequence. Default: seq_len."""
+    tokens: PositiveInt | None = None
+    """Training tokens; null takes as many as the data allows at the requested mix."""
+    mix: dict[str, float] = Field(min_length=1)
+    """Domain or group name -> share of tokens."""
+    lengths: dict[str, dict[int, float]] = Field(default_factory=dict)
+    """Long domain -> {chunk length: share of that domain's tokens} (ProLong's stage 2)."""
+
+    @property
+    def base_len(self) -> int:
+        return self.chunk_len or self.seq_len
+
+
+class PackConfig(Strict):
+    seed: int = 0
+    val_fraction: float = Field(default=0.05, gt=0, lt=1)
+    """Share of each domain's documents held out (chosen by a hash of the document id)."""
+    tolerance: float = Field(default=0.05, gt=0, lt=1)
+    """Largest allowed gap between achieved and requested share of any domain."""
+    groups: dict[str, dict[str, float]] = Field(default_factory=dict)
+    """Named sub-mixes (ProLong's ShortMix): group -> {domain: share}."""
+    splits: dict[str, SplitSpec] = Field(min_length=1)
+
+
+# ---------------------------------------------------------------- tracking
+
+
+class TrackingConfig(Strict):
+    enabled: bool = True
+    uri: str | None = None
+    """MLflow tracking URI; default: SQLite at <project>/mlflow.db. Env MLFLOW_TRACKING_URI wins."""
+    experiment: str = "longctx"
+
+
+# ---------------------------------------------------------------- the whole
+
+
+class Config(Strict):
+    profile: str
+    corpora: CorporaConfig
+    tokenize: TokenizeConfig
+    pack: PackConfig
+    tracking: TrackingConfig = TrackingConfig()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Config:
+        domains = self.corpora.domains
+        for g, sub in self.pack.groups.items():
+            if g in domains:
+                raise ValueError(f"pack.groups.{g}: name is also a corpora domain")
+            _check_shares(f"pack.groups.{g}", sub)
+            for d in sub:
+                if d not in domains:
+                    raise ValueError(f"pack.groups.{g}.{d}: no such corpora domain")
+        for name, split in self.pack.splits.items():
+            where = f"pack.splits.{name}"
+            _check_shares(f"{where}.mix", split.mix)
+            base = split.base_len
+            if base > split.seq_len or split.seq_len % base:
+                raise ValueError(f"{where}.chunk_len: {base} must divide seq_len {split.seq_len}")
+            kinds = set()
+            for d in self.flat_mix(name):
+                kinds.add(domains[d].kind)
+            if "sft" in kinds and len(kinds) > 1:
+                raise ValueError(f"{where}.mix: sft domains cannot be mixed with {kinds - {'sft'}}")
+            for d, shares in split.lengths.items():
+                if d not in self.flat_mix(name):
+                    raise ValueError(f"{where}.lengths.{d}: not in this split's mix")
+                if domains[d].kind != "long":
+                    raise ValueError(f"{where}.lengths.{d}: only long domains take lengths")
+                _check_shares(f"{where}.lengths.{d}", shares)
+                for length in shares:
+                    if length <= 0 or length > split.seq_len or split.seq_len % length:
+                        raise ValueError(
+                            f"{where}.lengths.{d}.{length}: must be positive and divide "
+                            f"seq_len {split.seq_len}"
+                        )
+            for d in self.flat_mix(name):
+                if domains[d].kind == "long":
+                    shortest = min(self.chunk_lengths(name, d))
+                    if self.tokenize.long_min_tokens > shortest:
+                        raise ValueError(
+                            f"tokenize.long_min_tokens: {self.tokenize.long_min_tokens} is above "
+                            f"the chunk length {shortest} of long domain {d} in {where}"
+                        )
+        return self
+
+    def flat_mix(self, split: str) -> dict[str, float]:
+        """The split's mix with groups expanded: domain -> share of the split's tokens."""
+        out: dict[str, float] = {}
+        for name, share in self.pack.splits[split].mix.items():
+            if name in self.pack.groups:
+                for d, sub in self.pack.groups[name].items():
+                    out[d] = out.get(d, 0.0) + share * sub
+            elif name in self.corpora.domains:
+                out[name] = out.get(name, 0.0) + share
+            else:
+                raise ValueError(f"pack.splits.{split}.mix.{name}: no such domain or group")
+        return out
+
+    def chunk_lengths(self, split: str, domain: str) -> dict[int, float]:
+        """Chunk length -> share of the domain's tokens in this split."""
+        spec = self.pack.splits[split]
+        return spec.lengths.get(domain) or {spec.base_len: 1.0}
+
+
+def _check_shares(where: str, shares: dict[Any, float]) -> None:
+    if not shares:
+        raise ValueError(f"{where}: empty")
+    for k, v in shares.items():
+        if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
+            raise ValueError(f"{where}.{k}: share must be a positive number, got {v!r}")
+    total = sum(shares.values())
+    if abs(total - 1.0) > SUM_TOLERANCE:
+        raise ValueError(f"{where}: shares sum to {total:.6g}, must sum to 1")
+
+
+# ---------------------------------------------------------------- loading
+
+
+def profile_path(name: str) -> Path:
+    return Path(str(resources.files("longctx") / "profiles" / f"{name}.yaml"))
+
+
+def available_profiles() -> list[str]:
+    folder = Path(str(resources.files("longctx") / "profiles"))
+    return sorted(p.stem for p in folder.glob("*.yaml"))
+
+
+def merge(base: dict, over: dict) -> dict:
+    """Deep-merge `over` into a copy of `base`; dicts merge, other values replace, None drops."""
+    out = dict(base)
+    for k, v in over.items():
+        if v is None:
+            out.pop(k, None)
+        elif isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def _read_yaml(path: Path, what: str) -> dict:
+    if not path.is_file():
+        raise ConfigError(f"{path}: {what} not found")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from e
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: must be a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def resolve(overrides: dict, source: str = "params") -> Config:
+    """Profile + overrides -> validated Config. `source` names the overrides in errors."""
+    profile = overrides.get("profile", "tiny")
+    if not isinstance(profile, str) or profile not in available_profiles():
+        raise ConfigError(
+            f"{source}: profile: unknown profile {profile!r}; choose one of {available_profiles()}"
+        )
+    raw = merge(_read_yaml(profile_path(profile), f"profile {profile}"), overrides)
+    raw["profile"] = profile
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(f"{source}: " + _describe(e)) from None
+
+
+def load(path: str | Path = "params.yaml") -> Config:
+    path = Path(path)
+    return resolve(_read_yaml(path, "params file"), source=str(path))
+
+
+def _describe(e: ValidationError) -> str:
+    lines = []
+    for err in e.errors():
+        key = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-after"))
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key"
+        lines.append(f"{key}: {msg}" if key else msg)
+    return "; ".join(lines)
+
+
+def flat(config: BaseModel, prefix: str = "") -> dict[str, Any]:
+    """Dotted key -> scalar, for experiment trackers."""
+    out: dict[str, Any] = {}
+
+    def walk(obj: Any, key: str) -> None:
+        if isinstance(obj, BaseModel):
+            obj = obj.model_dump()
+        if isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(v, f"{key}.{k}" if key else str(k))
+        elif isinstance(obj, list):
+            for i, v in enumerate(obj):
+                walk(v, f"{key}.{i}")
+        else:
+            out[key] = obj
+
+    walk(config, prefix)
+    return out

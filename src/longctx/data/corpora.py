@@ -1,0 +1,129 @@
+"""Stage 1 of the data flow: raw documents per domain, as parquet, plus a manifest.
+
+One parquet file per domain: (id, domain, source, text | messages). Written in row groups
+as documents stream in, so memory does not grow with the corpus.
+"""
+
+from __future__ import annotations
+
+import platform
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from tqdm import tqdm
+
+from ..config import CorporaConfig
+from ..errors import DataError
+from .sources import Doc, describe, iter_docs
+
+ROW_GROUP_BYTES = 64 << 20
+MESSAGES = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+
+
+def schema(kind: str) -> pa.Schema:
+    body = ("messages", MESSAGES) if kind == "sft" else ("text", pa.string())
+    return pa.schema([("id", pa.string()), ("domain", pa.string()), ("source", pa.string()), body])
+
+
+@dataclass
+class DomainStats:
+    docs: int = 0
+    bytes: int = 0
+    replaced_chars: int = 0
+    docs_with_replacements: int = 0
+
+
+class _Writer:
+    """Buffers rows and flushes them as parquet row groups."""
+
+    def __init__(self, path: Path, kind: str):
+        self.kind = kind
+        self.schema = schema(kind)
+        self.writer = pq.ParquetWriter(path, self.schema, compression="zstd")
+        self.rows: dict[str, list] = {n: [] for n in self.schema.names}
+        self.buffered = 0
+
+    def add(self, domain: str, source: str, doc: Doc) -> None:
+        self.rows["id"].append(doc.id)
+        self.rows["domain"].append(domain)
+        self.rows["source"].append(source)
+        self.rows[self.schema.names[-1]].append(doc.messages if self.kind == "sft" else doc.text)
+        self.buffered += doc.nbytes
+        if self.buffered >= ROW_GROUP_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.rows["id"]:
+            self.writer.write_table(pa.table(self.rows, schema=self.schema))
+            self.rows = {n: [] for n in self.schema.names}
+            self.buffered = 0
+
+    def close(self) -> None:
+        self.flush()
+        self.writer.close()
+
+
+def build(cfg: CorporaConfig, out: Path) -> dict:
+    """Write <out>/<domain>.parquet for every domain; return the manifest."""
+    manifest: dict = {
+        "seed": cfg.seed,
+        "invalid_utf8": cfg.invalid_utf8,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "packages": {p: metadata.version(p) for p in ("datasets", "pyarrow", "tokenizers")},
+        "domains": {},
+    }
+    t0 = time.perf_counter()
+    for domain, spec in cfg.domains.items():
+        stats = DomainStats()
+        sources = []
+        writer = _Writer(out / f"{domain}.parquet", spec.kind)
+        bar = tqdm(desc=f"corpora {domain}", unit="doc", leave=False, mininterval=1.0)
+        try:
+            for source in spec.sources:
+                name = describe(source)
+                n0, b0 = stats.docs, stats.bytes
+                for doc in iter_docs(source, spec.kind, cfg.seed, cfg.invalid_utf8):
+                    if not (doc.text or doc.messages):
+                        continue
+                    writer.add(domain, name, doc)
+                    stats.docs += 1
+                    stats.bytes += doc.nbytes
+                    if doc.replaced:
+                        stats.replaced_chars += doc.replaced
+                        stats.docs_with_replacements += 1
+                    bar.update()
+                if stats.docs == n0:
+                    raise DataError(f"corpora.domains.{domain}: source {name} yielded no documents")
+                sources.append({**source.model_dump(exclude_defaults=True), "docs": stats.docs - n0,
+                                "bytes": stats.bytes - b0})
+        finally:
+            bar.close()
+            writer.close()
+        manifest["domains"][domain] = {"kind": spec.kind, "sources": sources, **vars(stats)}
+    manifest["seconds"] = round(time.perf_counter() - t0, 3)
+    return manifest
+
+
+def read_docs(path: Path, kind: str, batch_rows: int = 256) -> Iterator[tuple[list[str], list]]:
+    """(ids, texts or message lists) in batches from a domain's parquet file."""
+    body = "messages" if kind == "sft" else "text"
+    try:
+        pf = pq.ParquetFile(path)
+        for batch in pf.iter_batches(batch_size=batch_rows, columns=["id", body]):
+            yield batch.column(0).to_pylist(), batch.column(1).to_pylist()
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(f"{path}: corrupt or unreadable corpora file: {e}") from None
+
+
+def domain_file(corpora_dir: Path, domain: str) -> Path:
+    path = corpora_dir / f"{domain}.parquet"
+    if not path.is_file():
+        raise DataError(f"{path}: corpora output for domain {domain!r} not found (run the corpora stage)")
+    return path

@@ -1,0 +1,90 @@
+"""Zero-copy reader of a packed split, for the training and evaluation stages."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import DataError
+from ..io import read_json
+from .pack import SEG_DTYPE
+
+
+@dataclass(frozen=True)
+class Sample:
+    input_ids: np.ndarray
+    """seq_len token ids (a read-only view of the memory-mapped file)."""
+    doc_lens: np.ndarray
+    """Length of each document segment, in order; sums to seq_len."""
+    domains: np.ndarray
+    """Domain index of each segment (names in PackedDataset.domains)."""
+    loss_mask: np.ndarray | None
+    """1 on tokens that carry loss (SFT: assistant tokens); None for pretraining splits."""
+
+    @property
+    def cu_seqlens(self) -> np.ndarray:
+        """Segment boundaries [0, l0, l0+l1, ..., seq_len], as variable-length attention takes them."""
+        return np.concatenate(([0], np.cumsum(self.doc_lens))).astype(np.int32)
+
+    @property
+    def position_ids(self) -> np.ndarray:
+        """Positions that restart at 0 at every document start."""
+        starts = self.cu_seqlens[:-1]
+        return (np.arange(self.input_ids.size) - np.repeat(starts, self.doc_lens)).astype(np.int64)
+
+
+class PackedDataset:
+    """data/packed/<split>/<part>: sequences by index, memory-mapped, nothing copied."""
+
+    def __init__(self, folder: str | Path):
+        folder = Path(folder)
+        self.folder = folder
+        self.index = read_json(folder / "index.json", "packed split index")
+        self.seq_len = int(self.index["seq_len"])
+        self.domains: list[str] = self.index["domains"]
+        n = int(self.index["sequences"])
+        dtype = np.dtype(self.index["dtype"])
+        self.tokens = self._map("tokens.bin", dtype, (n, self.seq_len))
+        self.loss_mask = self._map("loss_mask.bin", np.uint8, (n, self.seq_len)) if self.index["loss_mask"] else None
+        self.seq_segments = np.fromfile(self._file("seq_segments.bin", (n + 1) * 8), dtype=np.int64)
+        self.segments = self._map("segments.bin", SEG_DTYPE, (int(self.seq_segments[-1]),))
+
+    def _file(self, name: str, size: int) -> Path:
+        path = self.folder / name
+        if not path.is_file() or path.stat().st_size != size:
+            raise DataError(f"{path}: missing or truncated (expected {size} bytes); rerun the pack stage")
+        return path
+
+    def _map(self, name: str, dtype, shape: tuple[int, ...]) -> np.ndarray:
+        size = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        path = self._file(name, size)
+        if size == 0:
+            return np.zeros(shape, dtype=dtype)
+        return np.memmap(path, dtype=dtype, mode="r", shape=shape)
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    def __getitem__(self, i: int) -> Sample:
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"sequence {i} of {len(self)}")
+        i %= len(self)
+        segs = self.segments[self.seq_segments[i]:self.seq_segments[i + 1]]
+        return Sample(
+            input_ids=self.tokens[i],
+            doc_lens=segs["length"].astype(np.int64),
+            domains=segs["domain"].astype(np.int64),
+            loss_mask=None if self.loss_mask is None else self.loss_mask[i],
+        )
+
+    def provenance(self, i: int) -> list[dict]:
+        """Where each segment of sequence i came from: domain, document index in the token
+        shards of that domain, first token, length (to report the documents of a bad batch)."""
+        segs = self.segments[self.seq_segments[i]:self.seq_segments[i + 1]]
+        return [
+            {"domain": self.domains[s["domain"]], "doc": int(s["doc"]), "start": int(s["start"]),
+             "length": int(s["length"])}
+            for s in segs
+        ]

@@ -1,0 +1,357 @@
+"""Stage 3: token shards -> fixed-length training sequences, ProLong style.
+
+Each domain gives *chunks*, the units of the mix:
+  long   documents >= L are cut into single-document chunks of exactly L tokens (a document's
+         last piece shorter than L is unused);
+  short  documents are concatenated into L-token chunks; the truncated tail of the last one
+         starts the next chunk, so no token is lost;
+  sft    conversations are concatenated into L-token chunks; the truncated tail is dropped.
+A split asks for token shares per domain (and, for long domains, per chunk length). Chunks
+shorter than the sequence length are shuffled together and placed side by side; every piece
+of a document is a segment whose boundaries the attention masks and position ids use.
+Only a plan (a few integers per chunk) is held in memory; tokens are copied through.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from ..config import Config
+from ..errors import DataError
+from ..io import write_json
+from .shards import ShardReader
+
+SEG_DTYPE = np.dtype([("doc", "<u8"), ("start", "<u8"), ("length", "<u4"), ("domain", "<u2")])
+PARTS = ("train", "val")
+VAL_BUCKETS = 1 << 20
+
+
+# ---------------------------------------------------------------- document pools
+
+
+@dataclass
+class Pool:
+    """One domain's documents for one part (train or val), in a seeded random order."""
+
+    domain: str
+    kind: str
+    reader: ShardReader
+    docs: np.ndarray
+    lengths: np.ndarray
+
+    @classmethod
+    def select(cls, domain: str, kind: str, reader: ShardReader, part: str, val_fraction: float,
+               rng: np.random.Generator) -> Pool:
+        keys = reader.docs["key"]
+        in_val = (keys % VAL_BUCKETS) < int(val_fraction * VAL_BUCKETS)
+        if not in_val.any() and keys.size > 1:  # a small domain still gets one held-out document
+            in_val[np.argmin(keys % VAL_BUCKETS)] = True
+        docs = np.flatnonzero(in_val if part == "val" else ~in_val)
+        docs = docs[rng.permutation(docs.size)]
+        return cls(domain, kind, reader, docs, reader.docs["length"][docs].astype(np.int64))
+
+
+Segment = tuple[int, int, int]  # doc (index in the domain's shards), start, length
+
+
+class LongChunks:
+    """Single-document chunks; longer lengths are cut first, later lengths use what is left."""
+
+    def __init__(self, pool: Pool, need: dict[int, int]):
+        self.pool = pool
+        self.chunks: dict[int, np.ndarray] = {}
+        self.short_of: tuple[int, int, int] | None = None  # (length, needed, found)
+        cursor = np.zeros(pool.docs.size, dtype=np.int64)
+        for length in sorted(need, reverse=True):
+            avail = (pool.lengths - cursor) // length
+            take = _take_in_order(avail, need[length])
+            if take.sum() < need[length]:
+                self.short_of = (length, need[length], int(avail.sum()))
+                return
+            doc_pos = np.repeat(np.arange(pool.docs.size), take)
+            first = np.repeat(cursor, take)
+            within = np.arange(doc_pos.size) - np.repeat(np.cumsum(take) - take, take)
+            self.chunks[length] = np.stack([doc_pos, first + within * length], axis=1)
+            cursor += take * length
+
+    def segments(self, length: int, k: int) -> list[Segment]:
+        pos, start = self.chunks[length][k]
+        return [(int(self.pool.docs[pos]), int(start), length)]
+
+
+class ShortChunks:
+    """Documents concatenated in pool order and cut every L tokens (carry-over)."""
+
+    def __init__(self, pool: Pool, length: int):
+        self.pool = pool
+        self.length = length
+        self.ends = np.cumsum(pool.lengths)
+        self.capacity = int(self.ends[-1] // length) if pool.docs.size else 0
+
+    def segments(self, length: int, k: int) -> list[Segment]:
+        lo, hi = k * length, (k + 1) * length
+        i = int(np.searchsorted(self.ends, lo, side="right"))
+        out = []
+        while lo < hi:
+            doc_start = int(self.ends[i] - self.pool.lengths[i])
+            stop = min(hi, int(self.ends[i]))
+            out.append((int(self.pool.docs[i]), lo - doc_start, stop - lo))
+            lo = stop
+            i += 1
+        return out
+
+
+class SftChunks:
+    """Conversations concatenated in pool order; the one that overflows a chunk is truncated
+    and its tail dropped, so each chunk starts with a whole conversation."""
+
+    def __init__(self, pool: Pool, length: int):
+        self.pool = pool
+        firsts = []
+        i, n = 0, pool.docs.size
+        lengths = pool.lengths
+        while i < n:
+            first, fill = i, 0
+            while fill < length and i < n:
+                fill += min(int(lengths[i]), length - fill)
+                i += 1
+            if fill == length:
+                firsts.append(first)
+        self.firsts = np.asarray(firsts, dtype=np.int64)
+        self.capacity = len(firsts)
+
+    def segments(self, length: int, k: int) -> list[Segment]:
+        i, fill, out = int(self.firsts[k]), 0, []
+        while fill < length:
+            take = min(int(self.pool.lengths[i]), length - fill)
+            out.append((int(self.pool.docs[i]), 0, take))
+            fill += take
+            i += 1
+        return out
+
+
+def _take_in_order(avail: np.ndarray, need: int) -> np.ndarray:
+    """Take chunks from documents in order until `need` are taken."""
+    csum = np.cumsum(avail)
+    take = avail.copy()
+    over = np.searchsorted(csum, need, side="left")
+    if over < take.size:
+        take[over] -= csum[over] - need
+        take[over + 1:] = 0
+    return take
+
+
+# ---------------------------------------------------------------- planning
+
+
+@dataclass
+class SplitPlan:
+    name: str
+    part: str
+    seq_len: int
+    tokens: int
+    sequences: list[list[tuple[str, int, int]]]  # per sequence: (domain, chunk length, chunk index)
+    sources: dict[str, LongChunks | ShortChunks | SftChunks]
+    dropped_chunks: int
+
+
+class Planner:
+    def __init__(self, cfg: Config, split: str, pools: dict[str, Pool]):
+        self.cfg = cfg
+        self.split = split
+        self.spec = cfg.pack.splits[split]
+        self.pools = pools
+        self.units = {
+            (d, length): share * w
+            for d, share in cfg.flat_mix(split).items()
+            for length, w in cfg.chunk_lengths(split, d).items()
+        }
+        self.fixed: dict[str, ShortChunks | SftChunks] = {}
+        for d in cfg.flat_mix(split):
+            pool = pools[d]
+            if pool.kind == "short":
+                self.fixed[d] = ShortChunks(pool, self.spec.base_len)
+            elif pool.kind == "sft":
+                self.fixed[d] = SftChunks(pool, self.spec.base_len)
+
+    def need(self, tokens: int) -> dict[tuple[str, int], int]:
+        return {(d, length): int(round(share * tokens / length)) for (d, length), share in self.units.items()}
+
+    def build(self, tokens: int) -> tuple[dict, str | None]:
+        """Chunk sources for `tokens`, or the reason they cannot be had."""
+        need = self.need(tokens)
+        sources: dict = {}
+        for d in self.cfg.flat_mix(self.split):
+            per_len = {length: n for (dd, length), n in need.items() if dd == d}
+            pool = self.pools[d]
+            if d in self.fixed:
+                src = self.fixed[d]
+                n = sum(per_len.values())
+                if n > src.capacity:
+                    return {}, (f"domain {d!r} gives {src.capacity} chunks of {self.spec.base_len} tokens "
+                                f"({int(pool.lengths.sum())} tokens in {pool.docs.size} documents), {n} needed")
+            else:
+                src = LongChunks(pool, per_len)
+                if src.short_of:
+                    length, n, found = src.short_of
+                    longest = int(pool.lengths.max()) if pool.lengths.size else 0
+                    return {}, (f"domain {d!r} gives {found} single-document chunks of {length} tokens, "
+                                f"{n} needed ({pool.docs.size} documents, longest {longest} tokens)")
+            sources[d] = src
+        return sources, None
+
+    def largest_tokens(self) -> int:
+        """The most tokens the data supports at the requested mix (binary search)."""
+        hi = min(
+            int(self.pools[d].lengths.sum() / share) + 1
+            for d, share in self.cfg.flat_mix(self.split).items()
+        )
+        lo = 0
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.build(mid)[1] is None:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def plan(self, part: str, tokens: int | None, rng: np.random.Generator) -> SplitPlan:
+        where = f"pack.splits.{self.split} ({part})"
+        if tokens is None:
+            tokens = self.largest_tokens()
+        sources, why = self.build(tokens)
+        if why:
+            raise DataError(f"{where}: not enough data for {tokens} tokens at the requested mix: {why}")
+        seq_len = self.spec.seq_len
+        by_len: dict[int, list[tuple[str, int, int]]] = {}
+        for (d, length), n in self.need(tokens).items():
+            by_len.setdefault(length, []).extend((d, length, k) for k in range(n))
+        sequences: list[list[tuple[str, int, int]]] = []
+        dropped = 0
+        for length in sorted(by_len):
+            chunks = by_len[length]
+            order = rng.permutation(len(chunks))
+            per_seq = seq_len // length
+            usable = len(chunks) - len(chunks) % per_seq
+            dropped += len(chunks) - usable
+            sequences += [[chunks[j] for j in order[i:i + per_seq]] for i in range(0, usable, per_seq)]
+        if not sequences:
+            raise DataError(f"{where}: no complete sequence of {seq_len} tokens (the data allows "
+                            f"{tokens} tokens at the requested mix); add data or lower seq_len")
+        order = rng.permutation(len(sequences))
+        return SplitPlan(self.split, part, seq_len, tokens, [sequences[i] for i in order], sources, dropped)
+
+
+# ---------------------------------------------------------------- writing
+
+
+def write_split(plan: SplitPlan, folder: Path, domains: list[str], dtype: np.dtype) -> dict[str, int]:
+    """Write one planned split; returns tokens per domain."""
+    folder.mkdir(parents=True, exist_ok=True)
+    domain_id = {d: i for i, d in enumerate(domains)}
+    sft = any(isinstance(s, SftChunks) for s in plan.sources.values())
+    per_domain = dict.fromkeys(plan.sources, 0)
+    seq_segs = [0]
+    with (
+        open(folder / "tokens.bin", "wb") as ftok,
+        open(folder / "segments.bin", "wb") as fseg,
+        open(folder / "loss_mask.bin", "wb") if sft else _Null() as fmask,
+        tqdm(total=len(plan.sequences), desc=f"pack {plan.name}/{plan.part}", unit="seq", leave=False,
+             mininterval=1.0) as bar,
+    ):
+        buf = np.empty(plan.seq_len, dtype=dtype)
+        mbuf = np.empty(plan.seq_len, dtype=np.uint8)
+        for seq in plan.sequences:
+            pos = 0
+            segs = []
+            for d, length, k in seq:
+                src = plan.sources[d]
+                reader = src.pool.reader
+                for doc, start, n in src.segments(length, k):
+                    buf[pos:pos + n] = reader.tokens(doc, start, start + n)
+                    if sft:
+                        mbuf[pos:pos + n] = reader.mask(doc, start, start + n)
+                    segs.append((doc, start, n, domain_id[d]))
+                    pos += n
+                per_domain[d] += length
+            if pos != plan.seq_len:
+                raise AssertionError(f"sequence filled {pos} of {plan.seq_len} tokens")
+            ftok.write(buf.tobytes())
+            fmask.write(mbuf.tobytes())
+            fseg.write(np.array(segs, dtype=SEG_DTYPE).tobytes())
+            seq_segs.append(seq_segs[-1] + len(segs))
+            bar.update()
+    np.asarray(seq_segs, dtype=np.int64).tofile(folder / "seq_segments.bin")
+    return per_domain
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def write(self, _):
+        pass
+
+
+def pack_all(cfg: Config, tokens_dir: Path, out: Path, token_index: dict) -> dict:
+    """Plan and write every split (train and val); return the manifest."""
+    readers = {d: ShardReader(tokens_dir / d) for d in cfg.corpora.domains}
+    domains = list(cfg.corpora.domains)
+    dtype = np.dtype(token_index["dtype"])
+    manifest: dict = {"seed": cfg.pack.seed, "val_fraction": cfg.pack.val_fraction, "splits": {}}
+    t0 = time.perf_counter()
+    written = 0
+    try:
+        for split, spec in cfg.pack.splits.items():
+            requested = cfg.flat_mix(split)
+            entry: dict = {"seq_len": spec.seq_len, "requested": requested, "parts": {}}
+            for part in PARTS:
+                seed = [cfg.pack.seed, zlib.crc32(split.encode()), PARTS.index(part)]
+                pools = {
+                    d: Pool.select(d, cfg.corpora.domains[d].kind, readers[d], part, cfg.pack.val_fraction,
+                                   np.random.default_rng([*seed, zlib.crc32(d.encode())]))
+                    for d in requested
+                }
+                plan = Planner(cfg, split, pools).plan(part, spec.tokens if part == "train" else None,
+                                                       np.random.default_rng(seed))
+                per_domain = write_split(plan, out / split / part, domains, dtype)
+                total = sum(per_domain.values())
+                achieved = {d: n / total for d, n in per_domain.items()}
+                for d, want in requested.items():
+                    if abs(achieved[d] - want) > cfg.pack.tolerance:
+                        raise DataError(
+                            f"pack.splits.{split} ({part}): domain {d!r} is {achieved[d]:.3f} of the tokens, "
+                            f"{want:.3f} requested (tolerance pack.tolerance={cfg.pack.tolerance}); "
+                            "more data or more tokens make the mix exact"
+                        )
+                index = {
+                    "split": split, "part": part, "seq_len": spec.seq_len, "sequences": len(plan.sequences),
+                    "tokens": total, "dtype": dtype.name, "vocab_size": token_index["vocab_size"],
+                    "fingerprint": token_index["fingerprint"], "domains": domains,
+                    "loss_mask": any(cfg.corpora.domains[d].kind == "sft" for d in requested),
+                }
+                write_json(out / split / part / "index.json", index)
+                written += total
+                entry["parts"][part] = {
+                    "sequences": len(plan.sequences), "tokens": total, "achieved": achieved,
+                    "tokens_per_domain": per_domain, "dropped_chunks": plan.dropped_chunks,
+                }
+            manifest["splits"][split] = entry
+    finally:
+        for r in readers.values():
+            r.close()
+    seconds = time.perf_counter() - t0
+    manifest["seconds"] = round(seconds, 3)
+    manifest["tokens_written"] = written
+    manifest["tokens_per_s"] = round(written / max(seconds, 1e-9))
+    return manifest
+

@@ -1,0 +1,13 @@
+"""Errors the user can act on. Stages print them without a traceback and exit non-zero."""
+
+
+class LongctxError(Exception):
+    """Base class: the message names the file or key at fault and what to do."""
+
+
+class ConfigError(LongctxError):
+    """A params key is unknown, has the wrong type or an impossible value."""
+
+
+class DataError(LongctxError):
+    """An input file is missing, corrupt, or cannot yield what the stage needs."""

@@ -1,0 +1,89 @@
+"""MLflow helpers: one run per stage execution, with params, metrics, plots and manifests.
+
+The store defaults to SQLite at an absolute path inside the project (<root>/mlflow.db, with
+artifacts in <root>/mlartifacts), so every stage of a pipeline writes to the same place
+whatever directory it runs in. MLFLOW_TRACKING_URI or params `tracking.uri` override it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from .config import TrackingConfig
+
+MAX_PARAM_CHARS = 6000
+
+
+def tracking_uri(cfg: TrackingConfig, root: Path) -> str:
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return os.environ["MLFLOW_TRACKING_URI"]
+    if cfg.uri:
+        if cfg.uri.startswith("sqlite:///") and not cfg.uri.startswith("sqlite:////"):
+            return "sqlite:///" + str((root / cfg.uri.removeprefix("sqlite:///")).resolve())
+        return cfg.uri
+    return f"sqlite:///{(root / 'mlflow.db').resolve()}"
+
+
+class Tracker:
+    """What a stage logs; a disabled tracker accepts the same calls and records nothing."""
+
+    def __init__(self, mlflow=None):
+        self._mlflow = mlflow
+
+    @property
+    def run_id(self) -> str | None:
+        run = self._mlflow.active_run() if self._mlflow else None
+        return run.info.run_id if run else None
+
+    def metrics(self, values: dict[str, float], step: int | None = None) -> None:
+        if self._mlflow:
+            clean = {k: float(v) for k, v in values.items() if isinstance(v, (int, float))}
+            self._mlflow.log_metrics(clean, step=step)
+
+    def artifact(self, path: Path, folder: str | None = None) -> None:
+        if self._mlflow and Path(path).exists():
+            if Path(path).is_dir():
+                self._mlflow.log_artifacts(str(path), folder)
+            else:
+                self._mlflow.log_artifact(str(path), folder)
+
+    def text(self, text: str, name: str) -> None:
+        if self._mlflow:
+            self._mlflow.log_text(text, name)
+
+
+def _git_commit(root: Path) -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None
+
+
+@contextlib.contextmanager
+def stage_run(cfg: TrackingConfig, root: Path, stage: str, params: dict[str, Any]) -> Iterator[Tracker]:
+    """An MLflow run for one stage; it ends FAILED if the stage raises."""
+    if not cfg.enabled:
+        yield Tracker()
+        return
+    import mlflow
+
+    mlflow.set_tracking_uri(tracking_uri(cfg, root))
+    exp = mlflow.get_experiment_by_name(cfg.experiment)
+    if exp is None:
+        exp_id = mlflow.create_experiment(cfg.experiment, artifact_location=(root / "mlartifacts").resolve().as_uri())
+    else:
+        exp_id = exp.experiment_id
+    tags = {"longctx.stage": stage}
+    if commit := _git_commit(root):
+        tags["git.commit"] = commit
+    with mlflow.start_run(experiment_id=exp_id, run_name=stage, tags=tags):
+        items = [(k, str(v)[:MAX_PARAM_CHARS]) for k, v in params.items()]
+        for i in range(0, len(items), 100):
+            mlflow.log_params(dict(items[i:i + 100]))
+        yield Tracker(mlflow)

@@ -1,0 +1,32 @@
+"""DVC stage `corpora`: raw documents per domain -> data/corpora/<domain>.parquet + manifest."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from longctx.config import Config, flat
+from longctx.data import corpora
+from longctx.data.stats import format_table
+from longctx.io import atomic_dir, write_json
+from longctx.tracking import stage_run
+
+from ._run import CORPORA, main
+
+
+def run(cfg: Config, root: Path) -> None:
+    """Collect each domain's documents from its sources."""
+    with stage_run(cfg.tracking, root, "corpora", flat(cfg.corpora, "corpora")) as tracker:
+        with atomic_dir(CORPORA) as tmp:
+            manifest = corpora.build(cfg.corpora, tmp)
+            write_json(tmp / "manifest.json", manifest)
+        rows = {d: {"kind": m["kind"], "docs": m["docs"], "MB": round(m["bytes"] / 1e6, 2),
+                    "replaced_chars": m["replaced_chars"]} for d, m in manifest["domains"].items()}
+        print(format_table(rows, ["kind", "docs", "MB", "replaced_chars"]))
+        for d, m in manifest["domains"].items():
+            tracker.metrics({f"{d}.docs": m["docs"], f"{d}.bytes": m["bytes"], f"{d}.replaced_chars": m["replaced_chars"]})
+        tracker.metrics({"seconds": manifest["seconds"]})
+        tracker.artifact(CORPORA / "manifest.json")
+
+
+if __name__ == "__main__":
+    main("corpora", run)
