@@ -57,7 +57,7 @@ def run(cfg: Config, root: Path) -> None:
         write_json(METRICS / "pack.json", summary)
         plot_proportions({s: e["parts"]["train"]["achieved"] for s, e in manifest["splits"].items()},
                          {s: e["requested"] for s, e in manifest["splits"].items()}, PLOTS / "proportions.png")
-        print(format_table(rows, ["seq_len", "sequences", "tokens", "max_share_gap"]))
+        print(format_table(rows, ["seq_len", "sequences", "tokens", "max_share_gap"], key="split"))
         tracker.metrics({"tokens_per_s": manifest["tokens_per_s"], "seconds": manifest["seconds"]})
         for key, values in summary.items():
             if isinstance(values, dict):

@@ -14,6 +14,8 @@ from longctx.tracking import stage_run
 
 from ._run import CORPORA, METRICS, PLOTS, TOKENS, main
 
+TIMINGS = ("seconds", "tokens_per_s")  # kept out of outputs, so equal inputs give equal bytes
+
 
 def run(cfg: Config, root: Path) -> None:
     """Encode every domain with the base model's tokenizer (or a BPE trained here)."""
@@ -32,7 +34,7 @@ def run(cfg: Config, root: Path) -> None:
                 "fingerprint": tok.fingerprint,
                 "tokenizer_spec": tcfg.tokenizer.model_dump(mode="json"),
                 "long_min_tokens": tcfg.long_min_tokens,
-                "domains": report,
+                "domains": {d: {k: v for k, v in r.items() if k not in TIMINGS} for d, r in report.items()},
             }
             write_json(tmp / "index.json", index)
         table = length_table(lengths, extra=(tcfg.long_min_tokens,))

@@ -265,9 +265,11 @@ def available_profiles() -> list[str]:
 
 
 def merge(base: dict, over: dict) -> dict:
-    """Deep-merge `over` into a copy of `base`; dicts merge, other values replace, None drops."""
+    """Deep-merge `over` into a copy of `base`; dicts merge, other values replace, None drops.
+    Keys match by their text, so a YAML `"8192"` overrides a profile's `8192`."""
     out = dict(base)
     for k, v in over.items():
+        k = next((b for b in out if str(b) == str(k)), k)
         if v is None:
             out.pop(k, None)
         elif isinstance(v, dict) and isinstance(out.get(k), dict):

@@ -158,7 +158,6 @@ class SplitPlan:
     tokens: int
     sequences: list[list[tuple[str, int, int]]]  # per sequence: (domain, chunk length, chunk index)
     sources: dict[str, LongChunks | ShortChunks | SftChunks]
-    dropped_chunks: int
 
 
 class Planner:
@@ -181,7 +180,20 @@ class Planner:
                 self.fixed[d] = SftChunks(pool, self.spec.base_len)
 
     def need(self, tokens: int) -> dict[tuple[str, int], int]:
-        return {(d, length): int(round(share * tokens / length)) for (d, length), share in self.units.items()}
+        """Chunks per (domain, length) for `tokens`; chunks shorter than a sequence come in
+        whole sequences' worth (the largest counts give up the remainder), so no chunk is cut
+        and left unused."""
+        need = {(d, length): max(int(round(share * tokens / length)), int(tokens > 0))
+                for (d, length), share in self.units.items()}
+        for length in {length for _, length in need}:
+            per_seq = self.spec.seq_len // length
+            units = sorted((u for u in need if u[1] == length), key=lambda u: (-need[u], u))
+            extra = sum(need[u] for u in units) % per_seq
+            for u in units:
+                cut = min(extra, need[u])
+                need[u] -= cut
+                extra -= cut
+        return need
 
     def build(self, tokens: int) -> tuple[dict, str | None]:
         """Chunk sources for `tokens`, or the reason they cannot be had."""
@@ -225,6 +237,9 @@ class Planner:
         where = f"pack.splits.{self.split} ({part})"
         if tokens is None:
             tokens = self.largest_tokens()
+            if tokens == 0:
+                raise DataError(f"{where}: the data cannot fill one sequence at the requested mix: "
+                                f"{self.build(self.spec.seq_len)[1]}")
         sources, why = self.build(tokens)
         if why:
             raise DataError(f"{where}: not enough data for {tokens} tokens at the requested mix: {why}")
@@ -233,19 +248,16 @@ class Planner:
         for (d, length), n in self.need(tokens).items():
             by_len.setdefault(length, []).extend((d, length, k) for k in range(n))
         sequences: list[list[tuple[str, int, int]]] = []
-        dropped = 0
         for length in sorted(by_len):
             chunks = by_len[length]
             order = rng.permutation(len(chunks))
             per_seq = seq_len // length
-            usable = len(chunks) - len(chunks) % per_seq
-            dropped += len(chunks) - usable
-            sequences += [[chunks[j] for j in order[i:i + per_seq]] for i in range(0, usable, per_seq)]
+            sequences += [[chunks[j] for j in order[i:i + per_seq]] for i in range(0, len(chunks), per_seq)]
         if not sequences:
             raise DataError(f"{where}: no complete sequence of {seq_len} tokens (the data allows "
                             f"{tokens} tokens at the requested mix); add data or lower seq_len")
         order = rng.permutation(len(sequences))
-        return SplitPlan(self.split, part, seq_len, tokens, [sequences[i] for i in order], sources, dropped)
+        return SplitPlan(self.split, part, seq_len, tokens, [sequences[i] for i in order], sources)
 
 
 # ---------------------------------------------------------------- writing
@@ -343,7 +355,7 @@ def pack_all(cfg: Config, tokens_dir: Path, out: Path, token_index: dict) -> dic
                 written += total
                 entry["parts"][part] = {
                     "sequences": len(plan.sequences), "tokens": total, "achieved": achieved,
-                    "tokens_per_domain": per_domain, "dropped_chunks": plan.dropped_chunks,
+                    "tokens_per_domain": per_domain,
                 }
             manifest["splits"][split] = entry
     finally:

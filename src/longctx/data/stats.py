@@ -24,9 +24,9 @@ def length_table(lengths: dict[str, np.ndarray], extra: tuple[int, ...] = ()) ->
     return table
 
 
-def format_table(table: dict[str, dict], columns: list[str]) -> str:
-    """A plain-text table, domains as rows."""
-    head = ["domain", *columns]
+def format_table(table: dict[str, dict], columns: list[str], key: str = "domain") -> str:
+    """A plain-text table: one row per key of `table`, the given columns."""
+    head = [key, *columns]
     rows = [[d, *(str(r.get(c, "")) for c in columns)] for d, r in table.items()]
     widths = [max(len(x) for x in col) for col in zip(head, *rows, strict=True)]
     fmt = "  ".join(f"{{:<{w}}}" if i == 0 else f"{{:>{w}}}" for i, w in enumerate(widths))

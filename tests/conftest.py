@@ -1,0 +1,79 @@
+"""Shared fixtures: a small but real run of the data stages (stdlib text, trained BPE)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("DVC_NO_ANALYTICS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# The tiny profile scaled down further so a full corpora -> tokenize -> pack run takes seconds.
+SMALL = {
+    "profile": "tiny",
+    "corpora": {"domains": {
+        "code_repos": {"sources": [{"builtin": "stdlib_repos", "max_bytes": 1_500_000}]},
+        "books": {"sources": [{"builtin": "stdlib_books", "max_bytes": 1_000_000}]},
+        "docstrings": {"sources": [{"builtin": "stdlib_short", "part": "docstrings", "max_bytes": 300_000}]},
+        "modules": {"sources": [{"builtin": "stdlib_short", "part": "modules", "max_bytes": 400_000}]},
+        "chat": {"sources": [{"builtin": "stdlib_sft", "max_bytes": 300_000}]},
+    }},
+    "tokenize": {"tokenizer": {"train": {"vocab_size": 1024, "sample_bytes": 1_000_000}},
+                 "long_min_tokens": 512, "num_workers": 1, "shard_tokens": 200_000},
+    "pack": {"val_fraction": 0.1, "splits": {
+        "base": {"seq_len": 256},
+        "stage1": {"seq_len": 512},
+        "stage2": {"seq_len": 2048, "chunk_len": 512, "lengths": {
+            "code_repos": {8192: None, 2048: 0.5, 512: 0.5},
+            "books": {8192: None, 2048: 0.17, 512: 0.83},
+            "textbooks": {8192: None, 2048: 1.0}}},
+        "sft": {"seq_len": 512},
+    }},
+}
+
+
+def write_params(folder: Path, overrides: dict) -> Path:
+    path = folder / "params.yaml"
+    path.write_text(yaml.safe_dump(overrides, sort_keys=False))
+    return path
+
+
+def run_stages(folder: Path, names: list[str], overrides: dict | None = None) -> None:
+    """Run stages in-process from `folder` (the stages use paths relative to the project root)."""
+    from longctx import config
+    from stages import corpora, pack, tokenize
+
+    mods = {"corpora": corpora, "tokenize": tokenize, "pack": pack}
+    if overrides is not None:
+        write_params(folder, overrides)
+    cwd = os.getcwd()
+    os.chdir(folder)
+    try:
+        cfg = config.load("params.yaml")
+        for name in names:
+            mods[name].run(cfg, folder)
+    finally:
+        os.chdir(cwd)
+
+
+@pytest.fixture(scope="session")
+def small_project(tmp_path_factory) -> Path:
+    """A project folder where corpora, tokenize and pack ran on SMALL, tracked in a temp MLflow."""
+    folder = tmp_path_factory.mktemp("project")
+    overrides = {**SMALL, "tracking": {"uri": f"sqlite:///{folder / 'mlflow.db'}"}}
+    run_stages(folder, ["corpora", "tokenize", "pack"], overrides)
+    return folder
+
+
+@pytest.fixture
+def project_copy(small_project, tmp_path) -> Path:
+    """A private copy of the small project, for tests that change or break things."""
+    dst = tmp_path / "project"
+    shutil.copytree(small_project, dst)
+    return dst
