@@ -1,0 +1,77 @@
+"""Params: profiles resolve, and every kind of bad value fails naming its key."""
+
+from __future__ import annotations
+
+import pytest
+
+from longctx import config
+from longctx.errors import ConfigError
+
+
+@pytest.mark.parametrize("profile", ["tiny", "prolong-64k", "prolong-512k"])
+def test_profiles_resolve(profile):
+    cfg = config.resolve({"profile": profile})
+    assert cfg.profile == profile
+    for split in cfg.pack.splits:
+        assert abs(sum(cfg.flat_mix(split).values()) - 1) < 1e-9
+
+
+def test_prolong_mix_is_table_9():
+    cfg = config.resolve({"profile": "prolong-512k"})
+    mix = cfg.flat_mix("stage1")
+    assert mix["code_repos"] == pytest.approx(0.30) and mix["books"] == pytest.approx(0.30)
+    assert mix["textbooks"] == pytest.approx(0.03)
+    assert mix["fineweb_edu"] == pytest.approx(0.37 * 0.27)
+    assert mix["arxiv"] == pytest.approx(0.37 * 0.08)
+    assert cfg.chunk_lengths("stage2", "code_repos") == {524288: 0.5, 65536: 0.5}
+    assert cfg.chunk_lengths("stage2", "books") == {524288: 0.17, 65536: 0.83}
+    assert cfg.chunk_lengths("stage2", "textbooks") == {524288: 1.0}
+    assert cfg.chunk_lengths("stage2", "fineweb") == {65536: 1.0}
+    assert cfg.pack.splits["stage2"].seq_len == 524288
+    assert cfg.tokenize.long_min_tokens == 65536
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"tokenize": {"bogus": 1}}, r"tokenize\.bogus: unknown key"),
+        ({"pack": {"seed": "x"}}, r"pack\.seed: .*integer"),
+        ({"pack": {"splits": {"stage1": {"mix": {"books": 0.5}}}}}, r"pack\.splits\.stage1\.mix: shares sum to 1\.2"),
+        ({"pack": {"splits": {"stage1": {"seq_len": 0}}}}, r"pack\.splits\.stage1\.seq_len: .*greater than 0"),
+        ({"pack": {"splits": {"stage1": {"tokens": -5}}}}, r"pack\.splits\.stage1\.tokens"),
+        ({"tokenize": {"long_min_tokens": 4096}}, r"tokenize\.long_min_tokens: 4096 is above the chunk length 2048"),
+        ({"pack": {"splits": {"stage2": {"chunk_len": 3000}}}}, r"pack\.splits\.stage2\.chunk_len: 3000 must divide"),
+        ({"pack": {"splits": {"stage2": {"lengths": {"books": {8192: None, 3000: 0.17}}}}}},
+         r"pack\.splits\.stage2\.lengths\.books\.3000: must .*divide"),
+        ({"pack": {"splits": {"stage1": {"mix": {"nope": 0.0}}}}}, r"share must be a positive number"),
+        ({"pack": {"splits": {"sft": {"mix": {"chat": 0.5, "books": 0.5}}}}}, r"sft domains cannot be mixed"),
+        ({"pack": {"groups": {"shortmix": {"docstrings": 0.5, "modules": 0.6}}}}, r"pack\.groups\.shortmix: shares sum"),
+        ({"pack": {"val_fraction": 1.5}}, r"pack\.val_fraction"),
+        ({"corpora": {"domains": {"books": {"sources": [{"path": "x", "hub": "y"}]}}}}, r"exactly one of path, hub, builtin"),
+        ({"corpora": {"domains": {"books": {"kind": "medium"}}}}, r"corpora\.domains\.books\.kind"),
+        ({"tokenize": {"tokenizer": {"path": "some/dir"}}}, r"exactly one of path, train"),
+        ({"profile": "huge"}, r"unknown profile 'huge'"),
+    ],
+)
+def test_bad_values_name_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        config.resolve(overrides)
+
+
+def test_null_drops_a_key_and_text_keys_match_numbers():
+    cfg = config.resolve({"pack": {"splits": {"stage2": None}}})
+    assert "stage2" not in cfg.pack.splits
+    cfg = config.resolve({"pack": {"splits": {"stage2": {"lengths": {"books": {"8192": 0.5, "2048": 0.5}}}}}})
+    assert cfg.chunk_lengths("stage2", "books") == {8192: 0.5, 2048: 0.5}
+
+
+def test_params_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="params file not found"):
+        config.load(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("pack: [1, 2\n")
+    with pytest.raises(ConfigError, match="bad.yaml: not valid YAML"):
+        config.load(bad)
+    bad.write_text("- just a list\n")
+    with pytest.raises(ConfigError, match="must be a mapping"):
+        config.load(bad)
