@@ -50,6 +50,8 @@ def test_prolong_mix_is_table_9():
         ({"corpora": {"domains": {"books": {"sources": [{"path": "x", "hub": "y"}]}}}}, r"exactly one of path, hub, builtin"),
         ({"corpora": {"domains": {"books": {"kind": "medium"}}}}, r"corpora\.domains\.books\.kind"),
         ({"tokenize": {"tokenizer": {"path": "some/dir"}}}, r"exactly one of path, train"),
+        ({"corpora": {"domains": {"books": {"sources": [{"path": "x", "group_by": "repo"}]}}}},
+         r"corpora\.domains\.books\.sources\.0: .*hub sources only"),
         ({"profile": "huge"}, r"unknown profile 'huge'"),
     ],
 )

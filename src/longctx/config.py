@@ -72,6 +72,10 @@ class SourceSpec(Strict):
             raise ValueError(f"give exactly one of path, hub, builtin (got {given or 'none'})")
         if self.header_field and not self.group_by:
             raise ValueError("header_field needs group_by")
+        if self.hub is None and (self.filter or self.group_by or self.name):
+            raise ValueError("filter, group_by and name apply to hub sources only")
+        if self.builtin is None and (self.part or self.site_packages):
+            raise ValueError("part and site_packages apply to builtin sources only")
         return self
 
 

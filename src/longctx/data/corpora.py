@@ -111,15 +111,29 @@ def build(cfg: CorporaConfig, out: Path) -> dict:
     return manifest
 
 
-def read_docs(path: Path, kind: str, batch_rows: int = 256) -> Iterator[tuple[list[str], list]]:
-    """(ids, texts or message lists) in batches from a domain's parquet file."""
+def read_docs(path: Path, kind: str, batch_rows: int = 256, batch_bytes: int = 4 << 20) -> Iterator[tuple[list[str], list]]:
+    """(ids, texts or message lists) from a domain's parquet file, in batches of at most
+    `batch_rows` documents and, past the first document, `batch_bytes` of text, so a batch of
+    long documents stays as small in memory as a batch of short ones."""
     body = "messages" if kind == "sft" else "text"
+    ids: list[str] = []
+    rows: list = []
+    size = 0
     try:
         pf = pq.ParquetFile(path)
         for batch in pf.iter_batches(batch_size=batch_rows, columns=["id", body]):
-            yield batch.column(0).to_pylist(), batch.column(1).to_pylist()
+            for id_, row in zip(batch.column(0).to_pylist(), batch.column(1).to_pylist(), strict=True):
+                n = len(row) if kind != "sft" else sum(len(m["content"]) for m in row)
+                if rows and (len(rows) >= batch_rows or size + n > batch_bytes):
+                    yield ids, rows
+                    ids, rows, size = [], [], 0
+                ids.append(id_)
+                rows.append(row)
+                size += n
     except (pa.ArrowException, OSError) as e:
         raise DataError(f"{path}: corrupt or unreadable corpora file: {e}") from None
+    if rows:
+        yield ids, rows
 
 
 def domain_file(corpora_dir: Path, domain: str) -> Path:
