@@ -77,3 +77,19 @@ def test_params_file_errors(tmp_path):
     bad.write_text("- just a list\n")
     with pytest.raises(ConfigError, match="must be a mapping"):
         config.load(bad)
+
+
+def test_config_command_prints_the_params_in_force(tmp_path):
+    import subprocess
+    import sys
+
+    import yaml
+
+    (tmp_path / "params.yaml").write_text("profile: prolong-64k\npack: {seed: 5}\n")
+    out = subprocess.run([sys.executable, "-m", "longctx.config"], cwd=tmp_path, capture_output=True, text=True,
+                         check=True).stdout
+    shown = yaml.safe_load(out)
+    assert shown["pack"]["seed"] == 5 and shown["pack"]["splits"]["stage1"]["seq_len"] == 65536
+    (tmp_path / "params.yaml").write_text("profile: prolong-64k\npack: {seed: five}\n")
+    proc = subprocess.run([sys.executable, "-m", "longctx.config"], cwd=tmp_path, capture_output=True, text=True)
+    assert proc.returncode == 2 and "pack.seed" in proc.stderr

@@ -35,11 +35,6 @@ class Tracker:
     def __init__(self, mlflow=None):
         self._mlflow = mlflow
 
-    @property
-    def run_id(self) -> str | None:
-        run = self._mlflow.active_run() if self._mlflow else None
-        return run.info.run_id if run else None
-
     def metrics(self, values: dict[str, float], step: int | None = None) -> None:
         if self._mlflow:
             clean = {k: float(v) for k, v in values.items() if isinstance(v, (int, float))}

@@ -23,6 +23,7 @@ from ..errors import DataError
 from .sources import Doc, describe, iter_docs
 
 ROW_GROUP_BYTES = 64 << 20
+STREAM_BUFFER = 4 << 20
 MESSAGES = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
 
 
@@ -120,8 +121,9 @@ def read_docs(path: Path, kind: str, batch_rows: int = 256, batch_bytes: int = 4
     rows: list = []
     size = 0
     try:
-        pf = pq.ParquetFile(path)
-        for batch in pf.iter_batches(batch_size=batch_rows, columns=["id", body]):
+        # A buffered stream reads column chunks a piece at a time instead of a row group whole.
+        pf = pq.ParquetFile(path, buffer_size=STREAM_BUFFER, pre_buffer=False)
+        for batch in pf.iter_batches(batch_size=min(batch_rows, 64), columns=["id", body]):
             for id_, row in zip(batch.column(0).to_pylist(), batch.column(1).to_pylist(), strict=True):
                 n = len(row) if kind != "sft" else sum(len(m["content"]) for m in row)
                 if rows and (len(rows) >= batch_rows or size + n > batch_bytes):

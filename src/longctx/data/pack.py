@@ -14,6 +14,7 @@ Only a plan (a few integers per chunk) is held in memory; tokens are copied thro
 
 from __future__ import annotations
 
+import contextlib
 import time
 import zlib
 from dataclasses import dataclass
@@ -270,13 +271,12 @@ def write_split(plan: SplitPlan, folder: Path, domains: list[str], dtype: np.dty
     sft = any(isinstance(s, SftChunks) for s in plan.sources.values())
     per_domain = dict.fromkeys(plan.sources, 0)
     seq_segs = [0]
-    with (
-        open(folder / "tokens.bin", "wb") as ftok,
-        open(folder / "segments.bin", "wb") as fseg,
-        open(folder / "loss_mask.bin", "wb") if sft else _Null() as fmask,
-        tqdm(total=len(plan.sequences), desc=f"pack {plan.name}/{plan.part}", unit="seq", leave=False,
-             mininterval=1.0) as bar,
-    ):
+    with contextlib.ExitStack() as stack:
+        ftok = stack.enter_context(open(folder / "tokens.bin", "wb"))
+        fseg = stack.enter_context(open(folder / "segments.bin", "wb"))
+        fmask = stack.enter_context(open(folder / "loss_mask.bin", "wb")) if sft else None
+        bar = stack.enter_context(tqdm(total=len(plan.sequences), desc=f"pack {plan.name}/{plan.part}",
+                                       unit="seq", leave=False, mininterval=1.0))
         buf = np.empty(plan.seq_len, dtype=dtype)
         mbuf = np.empty(plan.seq_len, dtype=np.uint8)
         for seq in plan.sequences:
@@ -287,7 +287,7 @@ def write_split(plan: SplitPlan, folder: Path, domains: list[str], dtype: np.dty
                 reader = src.pool.reader
                 for doc, start, n in src.segments(length, k):
                     buf[pos:pos + n] = reader.tokens(doc, start, start + n)
-                    if sft:
+                    if fmask:
                         mbuf[pos:pos + n] = reader.mask(doc, start, start + n)
                     segs.append((doc, start, n, domain_id[d]))
                     pos += n
@@ -295,23 +295,13 @@ def write_split(plan: SplitPlan, folder: Path, domains: list[str], dtype: np.dty
             if pos != plan.seq_len:
                 raise AssertionError(f"sequence filled {pos} of {plan.seq_len} tokens")
             ftok.write(buf.tobytes())
-            fmask.write(mbuf.tobytes())
+            if fmask:
+                fmask.write(mbuf.tobytes())
             fseg.write(np.array(segs, dtype=SEG_DTYPE).tobytes())
             seq_segs.append(seq_segs[-1] + len(segs))
             bar.update()
     np.asarray(seq_segs, dtype=np.int64).tofile(folder / "seq_segments.bin")
     return per_domain
-
-
-class _Null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    def write(self, _):
-        pass
 
 
 def pack_all(cfg: Config, tokens_dir: Path, out: Path, token_index: dict) -> dict:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import DataError
+from ..errors import ConfigError, DataError
 from ..io import read_json, write_json
 
 DOC_DTYPE = np.dtype([("shard", "<u4"), ("length", "<u4"), ("offset", "<u8"), ("key", "<u8")])
@@ -34,8 +34,6 @@ def id_dtype(vocab_size: int, requested: str) -> np.dtype:
         return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
     dtype = np.dtype(requested)
     if vocab_size > np.iinfo(dtype).max + 1:
-        from ..errors import ConfigError
-
         raise ConfigError(
             f"tokenize.dtype: {requested} cannot hold ids of a vocabulary of {vocab_size} (use uint32 or auto)"
         )

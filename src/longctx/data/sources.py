@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,6 @@ class Doc:
     messages: Messages | None = None
     replaced: int = 0
     """Characters that were not valid UTF-8 and became U+FFFD."""
-    meta: dict[str, Any] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
