@@ -153,7 +153,8 @@ def depends_on_length(cfg: RopeConfig) -> bool:
 
 def cos_sin(inv_freq: torch.Tensor, attention_factor: float, position_ids: torch.Tensor,
             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [..., T, head_dim] for integer positions, computed in fp32."""
+    """cos and sin [..., T, head_dim] for integer positions, computed in fp32. `inv_freq` is
+    [head_dim/2], or [T, head_dim/2] for frequencies that differ per token."""
     angles = position_ids.float()[..., None] * inv_freq.to(position_ids.device)
     emb = torch.cat((angles, angles), dim=-1)
     return (emb.cos() * attention_factor).to(dtype), (emb.sin() * attention_factor).to(dtype)

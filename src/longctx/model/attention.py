@@ -1,0 +1,189 @@
+"""Document-masked causal attention over packed sequences, with the FoX forget-gate decay.
+
+Inputs are packed: q [N, H, D], k and v [N, Hkv, D] for N tokens of several documents back to
+back, `cu_seqlens` [n_docs + 1] int32 their boundaries. Attention never crosses a boundary.
+FoX adds D_ij = Lambda_i - Lambda_j to the logits, Lambda the per-document cumulative sum of
+log forget gates (fp32), unscaled by 1/sqrt(d).
+
+Backends (one signature, chosen by `select`):
+  reference   explicit softmax in fp32; every feature, any device. The ground truth for tests.
+  sdpa        PyTorch's scaled_dot_product_attention per document: its flash / memory-efficient
+              kernels for plain causal attention, an additive bias for FoX. Any device.
+  flash_attn  flash_attn_varlen_func (CUDA, when flash-attn is installed); no FoX.
+  varlen      torch.nn.attention.varlen.varlen_attn, PyTorch's built-in flash path (CUDA); no FoX.
+  flex        FlexAttention with a document block mask and the FoX decay as a score_mod (CUDA).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import inspect
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+AttentionFn = Callable[..., torch.Tensor]
+
+
+def doc_cumsum(log_f: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Lambda: the cumulative sum of log forget gates [N, H], restarting at each document (fp32,
+    or fp64 for fp64 inputs)."""
+    log_f = log_f.to(torch.promote_types(log_f.dtype, torch.float32))
+    total = log_f.cumsum(0)
+    starts = cu_seqlens[:-1].long()
+    before = torch.zeros_like(total[:1]).expand(starts.numel(), -1).clone()
+    nonzero = starts > 0
+    before[nonzero] = total[starts[nonzero] - 1]
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    return total - before.repeat_interleave(lengths, dim=0)
+
+
+def _doc_ids(cu_seqlens: torch.Tensor, n: int) -> torch.Tensor:
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    return torch.arange(lengths.numel(), device=cu_seqlens.device).repeat_interleave(lengths, output_size=n)
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+              log_f: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+    n, h, d = q.shape
+    groups = h // k.shape[1]
+    k = k.repeat_interleave(groups, dim=1)
+    v = v.repeat_interleave(groups, dim=1)
+    scale = d**-0.5 if scale is None else scale
+    acc = torch.promote_types(q.dtype, torch.float32)
+    logits = torch.einsum("qhd,khd->hqk", q.to(acc), k.to(acc)) * scale
+    if log_f is not None:
+        lam = doc_cumsum(log_f, cu_seqlens)  # [N, H]
+        logits = logits + (lam.T[:, :, None] - lam.T[:, None, :])
+    doc = _doc_ids(cu_seqlens, n)
+    pos = torch.arange(n, device=q.device)
+    allowed = (doc[:, None] == doc[None, :]) & (pos[:, None] >= pos[None, :])
+    logits = logits.masked_fill(~allowed, float("-inf"))
+    probs = logits.softmax(dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, v.to(acc)).to(q.dtype)
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+         log_f: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+    groups = q.shape[1] // k.shape[1]
+    lam = doc_cumsum(log_f, cu_seqlens) if log_f is not None else None
+    out = torch.empty_like(q)
+    bounds = cu_seqlens.tolist()
+    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+        qd, kd, vd = (t[a:b].transpose(0, 1) for t in (q, k, v))  # [H, L, D]
+        if lam is None:
+            o = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale, enable_gqa=groups > 1)
+        else:
+            ld = lam[a:b].T  # [H, L]
+            bias = ld[:, :, None] - ld[:, None, :]
+            causal = torch.ones(b - a, b - a, dtype=torch.bool, device=q.device).tril()
+            bias = bias.masked_fill(~causal, float("-inf")).to(q.dtype)
+            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=bias, scale=scale, enable_gqa=groups > 1)
+        out[a:b] = o.transpose(0, 1)
+    return out
+
+
+def _no_fox(name: str, log_f: torch.Tensor | None) -> None:
+    if log_f is not None:
+        raise ValueError(f"attention backend {name!r} has no forget-gate decay; for FoX use 'flex' on CUDA "
+                         "or 'sdpa' / 'reference' anywhere")
+
+
+def _max_len(cu_seqlens: torch.Tensor) -> int:
+    return int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+
+
+def flash_attn(q, k, v, cu_seqlens, log_f=None, scale=None):
+    _no_fox("flash_attn", log_f)
+    from flash_attn import flash_attn_varlen_func
+
+    n = _max_len(cu_seqlens)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, n, n, softmax_scale=scale, causal=True)
+
+
+def varlen(q, k, v, cu_seqlens, log_f=None, scale=None):
+    _no_fox("varlen", log_f)
+    from torch.nn.attention.varlen import varlen_attn
+
+    extra = {}
+    if k.shape[1] != q.shape[1]:
+        if "enable_gqa" in inspect.signature(varlen_attn).parameters:  # torch >= 2.12
+            extra["enable_gqa"] = True
+        else:
+            groups = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    n = _max_len(cu_seqlens)
+    # window (-1, 0) is causal attention (torch 2.11 has no is_causal here)
+    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, n, n, scale=scale, window_size=(-1, 0), **extra)
+
+
+@functools.cache
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def flex(q, k, v, cu_seqlens, log_f=None, scale=None):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    n = q.shape[0]
+    doc = _doc_ids(cu_seqlens, n)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+
+    block_mask = create_block_mask(mask_mod, 1, 1, n, n, device=q.device, _compile=True)
+    score_mod = None
+    if log_f is not None:
+        lam = doc_cumsum(log_f, cu_seqlens).T.contiguous()  # [H, N] fp32
+        lam_k = lam.clone()  # flex refuses to index one grad-requiring tensor twice
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return score + (lam[h, q_idx] - lam_k[h, kv_idx])
+
+    out = _compiled_flex()(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                           score_mod=score_mod, block_mask=block_mask, scale=scale,
+                           enable_gqa=k.shape[1] != q.shape[1])
+    return out[0].transpose(0, 1)
+
+
+BACKENDS: dict[str, AttentionFn] = {"reference": reference, "sdpa": sdpa, "flash_attn": flash_attn,
+                                    "varlen": varlen, "flex": flex}
+CUDA_ONLY = {"flash_attn", "varlen", "flex"}
+
+
+def available(device: torch.device) -> list[str]:
+    names = ["reference", "sdpa"]
+    if device.type == "cuda":
+        names.append("flex")
+        if importlib.util.find_spec("torch.nn.attention.varlen") is not None:
+            names.append("varlen")
+        if importlib.util.find_spec("flash_attn") is not None:
+            names.append("flash_attn")
+    return names
+
+
+def select(name: str, device: torch.device, fox: bool) -> AttentionFn:
+    """The backend for a config value, checked against the device and the model: a name from
+    BACKENDS, or "auto" for the fastest that can run it."""
+    here = available(device)
+    if name == "auto":
+        if device.type != "cuda":
+            return sdpa
+        if fox:
+            return flex
+        for fast in ("flash_attn", "varlen"):
+            if fast in here:
+                return BACKENDS[fast]
+        return sdpa
+    if name not in BACKENDS:
+        raise ValueError(f"attention backend {name!r} is unknown (known: {sorted(BACKENDS)}; on {device.type}: {here})")
+    if name not in here:
+        raise ValueError(f"attention backend {name!r} cannot run on {device.type} here; use one of {here}")
+    if fox and name in ("flash_attn", "varlen"):
+        raise ValueError(f"attention backend {name!r} has no forget gate; for FoX use "
+                         f"{[b for b in here if b not in ('flash_attn', 'varlen')]}")
+    return BACKENDS[name]

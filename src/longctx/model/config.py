@@ -1,0 +1,74 @@
+"""Model shapes: a Llama-style decoder, optionally a Forgetting Transformer (FoX)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from .rope import RopeConfig
+
+
+class FoxConfig(BaseModel):
+    """The forget gate is always on; the FoX (Pro) components switch for ablations
+    (all on: FoX (Pro); all off: FoX (LLaMA))."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    qk_norm: bool = True
+    output_gate: bool = True
+    output_norm: bool = True
+    kv_shift: bool = True
+
+
+class ModelConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    vocab_size: int = Field(gt=0)
+    d_model: int = Field(gt=0)
+    n_layers: int = Field(gt=0)
+    n_heads: int = Field(gt=0)
+    n_kv_heads: int | None = Field(default=None, gt=0)
+    head_dim: int | None = Field(default=None, gt=0)
+    ffn_dim: int = Field(gt=0)
+    norm_eps: float = Field(default=1e-5, gt=0)
+    tie_embeddings: bool = False
+    attention_bias: bool = False
+    """Biases on q, k, v projections (Qwen2)."""
+    max_position_embeddings: int = Field(default=4096, gt=0)
+    rope: RopeConfig | None = RopeConfig()
+    """None: no position encoding (FoX's forget gate carries position)."""
+    fox: FoxConfig | None = None
+    reset_position_ids: bool = True
+    """RoPE positions restart at every document of a packed sequence."""
+    init_std: float = Field(default=0.02, gt=0)
+
+    @model_validator(mode="after")
+    def _shapes(self) -> ModelConfig:
+        if self.head_dim is None and self.d_model % self.n_heads:
+            raise ValueError(f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}; set head_dim")
+        if self.n_heads % self.kv_heads:
+            raise ValueError(f"n_heads {self.n_heads} must be a multiple of n_kv_heads {self.kv_heads}")
+        if (self.head_dim or self.d_model // self.n_heads) % 2 and self.rope is not None:
+            raise ValueError("RoPE needs an even head_dim")
+        return self
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def dim_head(self) -> int:
+        return self.head_dim or self.d_model // self.n_heads
+
+
+def fox_pro(**shape) -> ModelConfig:
+    return ModelConfig(**shape, rope=None, fox=FoxConfig())
+
+
+PRESETS: dict[str, dict] = {
+    # FoX paper shapes (Table 11 of the seed): heads of 64, SwiGLU, no RoPE for FoX.
+    "fox-125m": dict(vocab_size=50277, d_model=768, n_layers=12, n_heads=12, ffn_dim=2048),
+    "fox-360m": dict(vocab_size=50277, d_model=1024, n_layers=24, n_heads=16, ffn_dim=2816),
+    "fox-760m": dict(vocab_size=50277, d_model=1536, n_layers=24, n_heads=24, ffn_dim=4096),
+    "llama3-8b": dict(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
+                      max_position_embeddings=8192, rope=RopeConfig(theta=500000.0)),
+}

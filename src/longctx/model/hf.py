@@ -1,0 +1,196 @@
+"""Hugging Face checkpoints in and out: Llama, Mistral and Qwen2 style (config.json +
+safetensors, sharded or not), and our own versioned format for FoX models, which HF has no
+architecture for. Our parameter names are HF Llama's with the `model.` prefix dropped."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..errors import DataError
+from .config import ModelConfig
+from .rope import from_hf, hf_rope_parameters
+from .transformer import Transformer
+
+SUPPORTED = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+FORMAT_VERSION = 1
+SHARD_BYTES = 5 << 30
+
+
+def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
+    arch = (hf.get("architectures") or [None])[0]
+    if arch not in SUPPORTED:
+        raise DataError(f"{where}: architectures: {arch!r} is not supported (supported: {sorted(SUPPORTED)})")
+    window = hf.get("sliding_window")
+    if window is not None and hf.get("use_sliding_window", arch != "Qwen2ForCausalLM") and \
+            window < hf.get("max_position_embeddings", 0):
+        raise DataError(f"{where}: sliding_window: {window} (sliding-window attention is not supported)")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling")
+    try:
+        return ModelConfig(
+            vocab_size=hf["vocab_size"],
+            d_model=hf["hidden_size"],
+            n_layers=hf["num_hidden_layers"],
+            n_heads=hf["num_attention_heads"],
+            n_kv_heads=hf.get("num_key_value_heads"),
+            head_dim=hf.get("head_dim"),
+            ffn_dim=hf["intermediate_size"],
+            norm_eps=hf.get("rms_norm_eps", 1e-6),
+            tie_embeddings=hf.get("tie_word_embeddings", False),
+            attention_bias=hf.get("attention_bias", arch == "Qwen2ForCausalLM"),
+            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            rope=from_hf(rope, hf.get("rope_theta")),
+            reset_position_ids=True,
+        )
+    except KeyError as e:
+        raise DataError(f"{where}: missing field {e.args[0]!r}") from None
+    except ValueError as e:
+        raise DataError(f"{where}: {e}") from None
+
+
+def config_to_hf(cfg: ModelConfig) -> dict:
+    if cfg.fox is not None or cfg.rope is None:
+        raise ValueError("FoX models have no HF architecture; use save_native")
+    rope = hf_rope_parameters(cfg.rope)
+    out = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.ffn_dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.kv_heads,
+        "head_dim": cfg.dim_head,
+        "rms_norm_eps": cfg.norm_eps,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "attention_bias": cfg.attention_bias,
+        "mlp_bias": False,
+        "hidden_act": "silu",
+        "torch_dtype": "float32",
+        "rope_theta": cfg.rope.theta,
+        # both spellings: transformers 5 reads rope_parameters, 4.x rope_scaling
+        "rope_parameters": rope,
+        "rope_scaling": None if cfg.rope.type == "default" else rope,
+    }
+    return out
+
+
+def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (folder / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise DataError(f"{folder}: no model.safetensors or model.safetensors.index.json (only safetensors "
+                        "checkpoints are read: pickled .bin files can run code)")
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            weights.update(load_file(str(folder / f)))
+        except Exception as e:
+            raise DataError(f"{folder / f}: unreadable safetensors file: {e}") from None
+    return weights
+
+
+def load_state(model: Transformer, weights: dict[str, torch.Tensor], where: str) -> None:
+    """Copy weights into the model, checking every name and shape."""
+    own = model.state_dict()
+    if model.cfg.tie_embeddings:
+        weights.setdefault("lm_head.weight", weights.get("embed_tokens.weight"))
+    missing = sorted(set(own) - set(weights))
+    unexpected = sorted(set(weights) - set(own))
+    if missing or unexpected:
+        raise DataError(f"{where}: tensors missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+                        f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}")
+    for name, t in weights.items():
+        if t.shape != own[name].shape:
+            raise DataError(f"{where}: tensor {name} has shape {tuple(t.shape)}, the config needs "
+                            f"{tuple(own[name].shape)}")
+    model.load_state_dict(weights, strict=True)
+
+
+def load_hf(folder: str | Path, dtype: torch.dtype = torch.float32, attention_backend: str = "auto") -> Transformer:
+    folder = Path(folder)
+    cfg_path = folder / "config.json"
+    if not cfg_path.is_file():
+        raise DataError(f"{cfg_path}: not found")
+    cfg = config_from_hf(json.loads(cfg_path.read_text()), str(cfg_path))
+    weights = {k.removeprefix("model."): v.to(dtype) for k, v in _read_weights(folder).items()}
+    model = Transformer(cfg, attention_backend).to(dtype)
+    load_state(model, weights, str(folder))
+    return model
+
+
+def _save_weights(model: Transformer, folder: Path, prefix: str) -> None:
+    state = {}
+    for name, t in model.state_dict().items():
+        if model.cfg.tie_embeddings and name == "lm_head.weight":
+            continue
+        key = name if name.startswith("lm_head") or not prefix else prefix + name
+        state[key] = t.detach().contiguous().cpu()
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for k, t in state.items():
+        if size and size + t.numel() * t.element_size() > SHARD_BYTES:
+            shards.append({})
+            size = 0
+        shards[-1][k] = t
+        size += t.numel() * t.element_size()
+    if len(shards) == 1:
+        save_file(shards[0], str(folder / "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(folder / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, name))
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    (folder / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+
+
+def save_hf(model: Transformer, folder: str | Path, tokenizer_dir: str | Path | None = None) -> None:
+    """An HF directory `AutoModelForCausalLM.from_pretrained` loads (Llama architecture)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config_to_hf(model.cfg), indent=2) + "\n")
+    _save_weights(model, folder, "model.")
+    if tokenizer_dir is not None:
+        for f in Path(tokenizer_dir).iterdir():
+            if f.is_file() and (f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json",
+                                                                              "chat_template.jinja")):
+                shutil.copy2(f, folder / f.name)
+
+
+def save_native(model: Transformer, folder: str | Path) -> None:
+    """Our format (any model, FoX included): safetensors + longctx_config.json."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    meta = {"format_version": FORMAT_VERSION, "model": model.cfg.model_dump(mode="json")}
+    (folder / "longctx_config.json").write_text(json.dumps(meta, indent=2) + "\n")
+    _save_weights(model, folder, "")
+
+
+def load_native(folder: str | Path, dtype: torch.dtype = torch.float32, attention_backend: str = "auto") -> Transformer:
+    folder = Path(folder)
+    path = folder / "longctx_config.json"
+    if not path.is_file():
+        raise DataError(f"{path}: not found (not a longctx checkpoint)")
+    meta = json.loads(path.read_text())
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise DataError(f"{path}: format_version {meta.get('format_version')!r}, this longctx reads {FORMAT_VERSION}")
+    try:
+        cfg = ModelConfig.model_validate(meta["model"])
+    except ValueError as e:
+        raise DataError(f"{path}: model: {e}") from None
+    model = Transformer(cfg, attention_backend).to(dtype)
+    load_state(model, {k: v.to(dtype) for k, v in _read_weights(folder).items()}, str(folder))
+    return model
+

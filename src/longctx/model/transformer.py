@@ -1,0 +1,238 @@
+"""The decoder: Llama-style blocks (RMSNorm, SwiGLU, grouped-query attention with RoPE), or
+Forgetting Transformer blocks (forget gate, optional QK-norm, output gate and norm, KV-shift).
+
+Sequences are packed: a batch [B, T] is flattened to N = B*T tokens with document boundaries
+`cu_seqlens`, so attention, positions, the forget-gate cumulative sum and the KV-shift all
+restart at every document. Parameter names follow HF Llama where the parts coincide.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import attention
+from .config import ModelConfig
+from .rope import cos_sin, depends_on_length, inverse_frequencies, rotate
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class ShiftLinear(nn.Module):
+    """FoX (Pro) KV-shift: y_t = a_t * W x_{t-1} + (1 - a_t) * W x_t, a_t = sigmoid(w . x_t) per
+    head; at a document start the previous token is taken as zero."""
+
+    def __init__(self, d_model: int, heads: int, head_dim: int):
+        super().__init__()
+        self.proj = nn.Linear(d_model, heads * head_dim, bias=False)
+        self.alpha = nn.Linear(d_model, heads, bias=False)
+        self.heads, self.head_dim = heads, head_dim
+
+    def forward(self, x: torch.Tensor, doc_start: torch.Tensor,
+                before: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(shifted [N, heads, head_dim], W x of the last token). `before` is W x of the token
+        preceding x[0] (decoding with a cache), else zero."""
+        y = self.proj(x).view(-1, self.heads, self.head_dim)
+        first = torch.zeros_like(y[:1]) if before is None else before[None]
+        prev = torch.cat((first, y[:-1]), dim=0).masked_fill(doc_start[:, None, None], 0.0)
+        a = torch.sigmoid(self.alpha(x)).unsqueeze(-1)
+        return a * prev + (1 - a) * y, y[-1]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int):
+        super().__init__()
+        h, hk, d = cfg.n_heads, cfg.kv_heads, cfg.dim_head
+        self.h, self.hk, self.d = h, hk, d
+        self.index = index
+        self.fox = cfg.fox
+        self.q_proj = nn.Linear(cfg.d_model, h * d, bias=cfg.attention_bias)
+        if self.fox and self.fox.kv_shift:
+            self.k_shift = ShiftLinear(cfg.d_model, hk, d)
+            self.v_shift = ShiftLinear(cfg.d_model, hk, d)
+        else:
+            self.k_proj = nn.Linear(cfg.d_model, hk * d, bias=cfg.attention_bias)
+            self.v_proj = nn.Linear(cfg.d_model, hk * d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(h * d, cfg.d_model, bias=False)
+        if self.fox:
+            self.fgate = nn.Linear(cfg.d_model, h, bias=True)
+            if self.fox.qk_norm:
+                self.q_norm = RMSNorm(d, cfg.norm_eps)
+                self.k_norm = RMSNorm(d, cfg.norm_eps)
+            if self.fox.output_gate:
+                self.ogate = nn.Linear(cfg.d_model, h * d, bias=False)
+            if self.fox.output_norm:
+                self.o_norm = RMSNorm(d, cfg.norm_eps)
+
+    def forward(self, x: torch.Tensor, ctx: Context) -> torch.Tensor:
+        n = x.shape[0]
+        cache = ctx.cache[self.index] if ctx.cache is not None else None
+        q = self.q_proj(x).view(n, self.h, self.d)
+        if self.fox and self.fox.kv_shift:
+            k, k_last = self.k_shift(x, ctx.doc_start, cache.k_before if cache else None)
+            v, v_last = self.v_shift(x, ctx.doc_start, cache.v_before if cache else None)
+            if cache:
+                cache.k_before, cache.v_before = k_last, v_last
+        else:
+            k = self.k_proj(x).view(n, self.hk, self.d)
+            v = self.v_proj(x).view(n, self.hk, self.d)
+        log_f = None
+        if self.fox:
+            log_f = F.logsigmoid(self.fgate(x).float())
+            if self.fox.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+        if ctx.cos is not None:
+            q = rotate(q.transpose(0, 1), ctx.cos, ctx.sin).transpose(0, 1)
+            k = rotate(k.transpose(0, 1), ctx.cos, ctx.sin).transpose(0, 1)
+        if cache is not None:
+            o = cache.attend(q, k, v, log_f)
+        else:
+            o = ctx.attend(q, k, v, ctx.cu_seqlens, log_f)
+        if self.fox and self.fox.output_norm:
+            o = self.o_norm(o)
+        o = o.reshape(n, self.h * self.d)
+        if self.fox and self.fox.output_gate:
+            o = o * torch.sigmoid(self.ogate(x))
+        return self.o_proj(o)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=False)
+        self.up_proj = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=False)
+        self.down_proj = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.self_attn = Attention(cfg, index)
+        self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, ctx: Context) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Context:
+    """What every layer of one forward pass shares: boundaries, rotary tables, the backend, and
+    when decoding, the per-layer caches (a cache holds one document)."""
+
+    def __init__(self, cu_seqlens: torch.Tensor, n: int, cos, sin, attend, cache=None):
+        self.cu_seqlens = cu_seqlens
+        self.cos, self.sin = cos, sin
+        self.attend = attend
+        self.cache = cache
+        self.doc_start = torch.zeros(n, dtype=torch.bool, device=cu_seqlens.device)
+        if cache is None or cache.length == 0:
+            self.doc_start[cu_seqlens[:-1].long()] = True
+
+
+def packed_positions(cu_seqlens: torch.Tensor, n: int) -> torch.Tensor:
+    """Positions restarting at 0 at every document."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    starts = cu_seqlens[:-1].long().repeat_interleave(lengths, output_size=n)
+    return torch.arange(n, device=cu_seqlens.device) - starts
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, attention_backend: str = "auto"):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        if attention_backend != "auto" and attention_backend not in attention.BACKENDS:
+            raise ValueError(f"attention backend {attention_backend!r} is unknown (known: "
+                             f"{sorted(attention.BACKENDS)} or 'auto')")
+        self.attention_backend = attention_backend
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        std = self.cfg.init_std
+        for name, p in self.named_parameters():
+            if p.dim() == 2:
+                # output projections scaled by depth, as GPT-2 / nanoGPT
+                scale = 1 / math.sqrt(2 * self.cfg.n_layers) if name.endswith(("o_proj.weight", "down_proj.weight")) else 1
+                nn.init.normal_(p, mean=0.0, std=std * scale)
+            elif name.endswith("fgate.bias"):
+                # forget gates start spread over heads from fast (sigmoid 1 = 0.73) to slow decay
+                # (sigmoid 6 = 0.998), so some heads look far from the first step (our choice)
+                with torch.no_grad():
+                    p.copy_(torch.linspace(1.0, 6.0, p.numel()))
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+            else:
+                nn.init.ones_(p)
+
+    def rotary(self, position_ids: torch.Tensor, cu_seqlens: torch.Tensor, dtype: torch.dtype):
+        """cos, sin [1, N, head_dim]. Length-dependent scalings (LongRoPE's short/long factors,
+        dynamic NTK) are chosen per document by its current length, so a packed short document
+        keeps the original RoPE next to a long one (LongRoPE2's mixed context window)."""
+        rope, cfg = self.cfg.rope, self.cfg
+        if rope is None:
+            return None, None
+        if not depends_on_length(rope):
+            inv, scale = inverse_frequencies(rope, cfg.dim_head, cfg.max_position_embeddings)
+            cos, sin = cos_sin(inv, scale, position_ids, dtype)
+            return cos[None], sin[None]
+        doc_len = position_ids[cu_seqlens[1:].long() - 1] + 1
+        distinct, which = torch.unique(doc_len, return_inverse=True)
+        tables = [inverse_frequencies(rope, cfg.dim_head, cfg.max_position_embeddings, int(n)) for n in distinct]
+        inv = torch.stack([t[0] for t in tables]).to(position_ids.device)
+        per_token = inv[which.repeat_interleave((cu_seqlens[1:] - cu_seqlens[:-1]).long())]
+        # the attention factor does not depend on the length
+        cos, sin = cos_sin(per_token, tables[0][1], position_ids, dtype)
+        return cos[None], sin[None]
+
+    def hidden(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+               position_ids: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+        """Final hidden states [N, d_model] for packed ids [N] (or a batch [B, T], flattened).
+        With a `decode.Cache`, ids continue the single document the cache holds."""
+        ids = input_ids.reshape(-1)
+        n = ids.numel()
+        if cache is not None:
+            cu_seqlens = torch.tensor([0, n], dtype=torch.int32, device=ids.device)
+            position_ids = torch.arange(cache.length, cache.length + n, device=ids.device)
+        if cu_seqlens is None:
+            t = input_ids.shape[-1]
+            cu_seqlens = torch.arange(0, n + 1, t, device=ids.device, dtype=torch.int32)
+        if position_ids is None:
+            position_ids = (packed_positions(cu_seqlens, n) if self.cfg.reset_position_ids
+                            else torch.arange(n, device=ids.device) % input_ids.shape[-1])
+        x = self.embed_tokens(ids)
+        cos, sin = self.rotary(position_ids.reshape(-1), cu_seqlens, x.dtype)
+        attend = attention.select(self.attention_backend, x.device, self.cfg.fox is not None)
+        ctx = Context(cu_seqlens, n, cos, sin, attend, cache)
+        for layer in self.layers:
+            x = layer(x, ctx)
+        if cache is not None:
+            cache.length += n
+        return self.norm(x)
+
+    def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+        """Logits [N, vocab] (use `hidden` + a chunked loss to train at long context)."""
+        return self.lm_head(self.hidden(input_ids, cu_seqlens, position_ids, cache))

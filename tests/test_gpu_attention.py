@@ -1,0 +1,58 @@
+"""Every CUDA attention backend against the fp64 reference, forward and backward (the forget
+gate's gradient included), on random inputs and random document splits. Skipped without CUDA;
+`bench/gpu_tests.sh` runs it on the GPU machine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from longctx.model import attention
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+DEV = torch.device("cuda")
+
+
+def inputs(n: int, h: int, hk: int, d: int, dtype: torch.dtype, seed: int):
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    q, k, v = (torch.randn(n, x, d, generator=gen, device=DEV) for x in (h, hk, hk))
+    log_f = F.logsigmoid(torch.randn(n, h, generator=gen, device=DEV) + 3.0)
+    cuts = torch.randperm(n - 1, generator=gen, device=DEV)[:5] + 1
+    cu = torch.cat([torch.zeros(1, device=DEV), cuts.sort().values, torch.full((1,), n, device=DEV)]).to(torch.int32)
+    return [t.to(dtype) for t in (q, k, v)] + [log_f], cu
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+BACKENDS = [b for b in attention.available(DEV) if b != "reference"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("fox", [False, True])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backend_matches_reference(backend, fox, d, dtype):
+    if fox and backend in ("flash_attn", "varlen"):
+        pytest.skip("no forget gate in this backend")
+    if dtype == torch.float32 and backend in ("flash_attn", "varlen"):
+        pytest.skip("flash kernels take half precision only")
+    (q, k, v, log_f), cu = inputs(1024, 4, 2, d, dtype, seed=d + fox)
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v, log_f)]
+    ref_leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v, log_f)]
+    fn = attention.BACKENDS[backend]
+    out = fn(*leaves[:3], cu, leaves[3] if fox else None)
+    ref = attention.reference(*ref_leaves[:3], cu, ref_leaves[3] if fox else None)
+    g = torch.randn_like(ref)
+    n_grads = 4 if fox else 3
+    grads = torch.autograd.grad(out, leaves[:n_grads], g.to(out.dtype))
+    ref_grads = torch.autograd.grad(ref, ref_leaves[:n_grads], g)
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    assert rel(out, ref) <= tol
+    for name, a, b in zip("q k v log_f".split(), grads, ref_grads, strict=False):
+        assert rel(a, b) <= tol, (name, rel(a, b))

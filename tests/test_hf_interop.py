@@ -1,0 +1,115 @@
+"""HF checkpoints: small random HF models load into ours with the same logits, ours export to
+directories `AutoModelForCausalLM` loads with the same logits, FoX round-trips natively."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from longctx.errors import DataError
+from longctx.model.config import FoxConfig, ModelConfig
+from longctx.model.hf import load_hf, load_native, save_hf, save_native
+from longctx.model.rope import RopeConfig
+from longctx.model.transformer import Transformer
+
+ROPES = {
+    "default": {"rope_type": "default", "rope_theta": 10000.0},
+    "yarn": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16},
+    "llama3": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+    "longrope": {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 16,
+                 "short_factor": [1.0 + 0.1 * i for i in range(8)], "long_factor": [1.0 + 0.7 * i for i in range(8)]},
+}
+
+
+def hf_model(arch: str, rope: dict):
+    import transformers
+
+    config_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+                  "mistral": transformers.MistralConfig}[arch]
+    model_cls = {"llama": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
+                 "mistral": transformers.MistralForCausalLM}[arch]
+    extra = {"sliding_window": None} if arch in ("mistral", "qwen2") else {}
+    cfg = config_cls(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+                     rms_norm_eps=1e-5, rope_parameters=dict(rope), tie_word_embeddings=False, **extra)
+    torch.manual_seed(0)
+    return model_cls(cfg).float().eval()
+
+
+def hf_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids[None]).logits[0]
+
+
+@pytest.mark.parametrize("rope", list(ROPES))
+def test_llama_checkpoints_import_with_equal_logits(tmp_path, rope):
+    ref = hf_model("llama", ROPES[rope])
+    ref.save_pretrained(tmp_path)
+    ours = load_hf(tmp_path).eval()
+    for length in (12, 40):  # inside and beyond the original window of 16
+        ids = torch.randint(0, 101, (length,))
+        with torch.no_grad():
+            diff = (ours(ids) - hf_logits(ref, ids)).abs().max().item()
+        assert diff <= 1e-4, (rope, length, diff)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "mistral"])
+def test_other_architectures_import(tmp_path, arch):
+    ref = hf_model(arch, ROPES["default"])
+    ref.save_pretrained(tmp_path)
+    ours = load_hf(tmp_path).eval()
+    ids = torch.randint(0, 101, (20,))
+    with torch.no_grad():
+        assert (ours(ids) - hf_logits(ref, ids)).abs().max().item() <= 1e-4
+    assert ours.cfg.attention_bias == (arch == "qwen2")
+
+
+@pytest.mark.parametrize("rope", [RopeConfig(theta=8e6), RopeConfig(type="yarn", factor=4.0,
+                                  original_max_position_embeddings=16), ModelConfig.model_fields["rope"].default,
+                                  RopeConfig(type="longrope", original_max_position_embeddings=16,
+                                             short_factor=[1.0] * 8, long_factor=[3.0] * 8)])
+def test_export_loads_in_transformers_with_equal_logits(tmp_path, rope):
+    from transformers import AutoModelForCausalLM
+
+    cfg = ModelConfig(vocab_size=101, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96,
+                      max_position_embeddings=64, rope=rope)
+    torch.manual_seed(0)
+    ours = Transformer(cfg).eval()
+    save_hf(ours, tmp_path)
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    ids = torch.randint(0, 101, (40,))
+    with torch.no_grad():
+        assert (ours(ids) - hf_logits(ref, ids)).abs().max().item() <= 1e-4
+
+
+def test_fox_round_trips_natively(tmp_path):
+    cfg = ModelConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=4, ffn_dim=48, rope=None, fox=FoxConfig())
+    torch.manual_seed(0)
+    model = Transformer(cfg).eval()
+    save_native(model, tmp_path)
+    again = load_native(tmp_path).eval()
+    ids = torch.randint(0, 50, (17,))
+    with torch.no_grad():
+        assert torch.equal(model(ids), again(ids))
+    with pytest.raises(ValueError, match="no HF architecture"):
+        save_hf(model, tmp_path / "hf")
+
+
+def test_bad_checkpoints_name_the_problem(tmp_path):
+    ref = hf_model("llama", ROPES["default"])
+    ref.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    bad = dict(cfg, intermediate_size=128)
+    (tmp_path / "config.json").write_text(json.dumps(bad))
+    with pytest.raises(DataError, match=r"tensor layers\.0\.mlp\.(down|gate|up)_proj\.weight has shape"):
+        load_hf(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(dict(cfg, architectures=["GPT2LMHeadModel"])))
+    with pytest.raises(DataError, match="architectures: 'GPT2LMHeadModel' is not supported"):
+        load_hf(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(DataError, match="no model.safetensors"):
+        load_hf(tmp_path)

@@ -1,0 +1,136 @@
+"""The model core on CPU: attention backends against the reference, document masking, packing
+invariance for Llama and FoX blocks, and the chunked loss against the plain one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from longctx.model import attention
+from longctx.model.config import FoxConfig, ModelConfig
+from longctx.model.loss import IGNORE, chunked_cross_entropy, shift_labels
+from longctx.model.rope import RopeConfig
+from longctx.model.transformer import Transformer
+
+
+def random_docs(n: int, pieces: int, gen: torch.Generator) -> torch.Tensor:
+    cuts = torch.randperm(n - 1, generator=gen)[: pieces - 1] + 1
+    return torch.cat([torch.tensor([0]), cuts.sort().values, torch.tensor([n])]).to(torch.int32)
+
+
+def qkv(n=70, h=4, hk=2, d=16, dtype=torch.float64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(n, x, d, generator=gen, dtype=dtype) for x in (h, hk, hk))
+    log_f = F.logsigmoid(torch.randn(n, h, generator=gen, dtype=torch.float64) * 2 + 2)
+    return q, k, v, log_f, random_docs(n, 4, gen)
+
+
+def test_reference_is_the_formula():
+    q, k, v, log_f, cu = qkv()
+    out = attention.reference(q, k, v, cu, log_f)
+    # one row by hand: query 40 attends to keys of its document up to itself, logits + D_ij
+    i = 40
+    doc = int(torch.searchsorted(cu, torch.tensor(i), right=True)) - 1
+    a = int(cu[doc])
+    lam = log_f[a:i + 1].cumsum(0)  # within the document
+    for head in range(4):
+        kv_head = head // 2
+        logits = (k[a:i + 1, kv_head] @ q[i, head]) / 16**0.5 + (lam[-1, head] - lam[:, head])
+        expect = logits.softmax(0) @ v[a:i + 1, kv_head]
+        torch.testing.assert_close(out[i, head], expect)
+
+
+@pytest.mark.parametrize("fox", [False, True])
+def test_sdpa_matches_reference_with_gradients(fox):
+    q, k, v, log_f, cu = qkv(dtype=torch.float64)
+    for t in (q, k, v, log_f):
+        t.requires_grad_(True)
+    lf = log_f if fox else None
+    ref = attention.reference(q, k, v, cu, lf)
+    out = attention.sdpa(q, k, v, cu, lf)
+    torch.testing.assert_close(out, ref)
+    g = torch.randn_like(ref)
+    grads_ref = torch.autograd.grad(ref, (q, k, v, log_f) if fox else (q, k, v), g)
+    grads = torch.autograd.grad(out, (q, k, v, log_f) if fox else (q, k, v), g)
+    for a, b in zip(grads, grads_ref, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_documents_do_not_see_each_other():
+    q, k, v, log_f, cu = qkv()
+    out = attention.reference(q, k, v, cu, log_f)
+    a, b = int(cu[1]), int(cu[2])
+    k2, v2 = k.clone(), v.clone()
+    k2[:a] += 5.0
+    v2[:a] -= 3.0
+    out2 = attention.reference(q, k2, v2, cu, log_f)
+    torch.testing.assert_close(out2[a:], out[a:])
+    assert not torch.allclose(out2[:a], out[:a])
+    assert b > a
+
+
+def small(**kw) -> ModelConfig:
+    return ModelConfig(vocab_size=97, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, **kw)
+
+
+CONFIGS = {
+    "llama": small(rope=RopeConfig(theta=10000.0)),
+    "fox_pro": small(rope=None, fox=FoxConfig()),
+    "fox_llama": small(rope=None, fox=FoxConfig(qk_norm=False, output_gate=False, output_norm=False, kv_shift=False)),
+    "longrope": small(rope=RopeConfig(type="longrope", original_max_position_embeddings=8,
+                                      short_factor=[1.0] * 4, long_factor=[2.0] * 4), max_position_embeddings=32),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("backend", ["reference", "sdpa"])
+def test_a_packed_document_computes_as_if_alone(name, backend):
+    torch.manual_seed(0)
+    model = Transformer(CONFIGS[name], attention_backend=backend).double()
+    ids = torch.randint(0, 97, (30,))
+    cu = torch.tensor([0, 7, 19, 30], dtype=torch.int32)
+    packed = model(ids, cu)
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
+        alone = model(ids[a:b], torch.tensor([0, b - a], dtype=torch.int32))
+        torch.testing.assert_close(packed[a:b], alone)
+
+
+def test_backends_agree_on_the_whole_model():
+    torch.manual_seed(0)
+    ids = torch.randint(0, 97, (2, 24))
+    for cfg in CONFIGS.values():
+        ref = Transformer(cfg, attention_backend="reference").double()
+        fast = Transformer(cfg, attention_backend="sdpa").double()
+        fast.load_state_dict(ref.state_dict())
+        torch.testing.assert_close(fast(ids), ref(ids))
+
+
+def test_chunked_loss_equals_the_plain_loss_and_its_gradients():
+    torch.manual_seed(0)
+    hidden = torch.randn(37, 16, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(50, 16, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 50, (37,))
+    labels[[0, 5, 36]] = IGNORE
+    plain = F.cross_entropy(hidden @ weight.T, labels, ignore_index=IGNORE, reduction="sum")
+    gp = torch.autograd.grad(plain * 0.5, (hidden, weight))
+    chunked = chunked_cross_entropy(hidden, weight, labels, chunk=8)
+    gc = torch.autograd.grad(chunked * 0.5, (hidden, weight))
+    torch.testing.assert_close(chunked, plain)
+    for a, b in zip(gc, gp, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_labels_never_cross_documents_and_follow_the_mask():
+    ids = torch.arange(10, 20)
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    assert shift_labels(ids, cu).tolist() == [11, 12, 13, IGNORE, 15, 16, 17, 18, 19, IGNORE]
+    mask = torch.tensor([0, 0, 1, 1, 0, 0, 0, 1, 1, 0])
+    assert shift_labels(ids, cu, mask).tolist() == [IGNORE, 12, 13, IGNORE, IGNORE, IGNORE, 17, 18, IGNORE, IGNORE]
+
+
+def test_bad_shapes_are_refused():
+    with pytest.raises(ValueError, match="multiple of n_kv_heads"):
+        ModelConfig(vocab_size=10, d_model=32, n_layers=1, n_heads=4, n_kv_heads=3, ffn_dim=8)
+    with pytest.raises(ValueError, match="unknown"):
+        Transformer(small(), attention_backend="nope")
