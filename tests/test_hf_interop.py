@@ -56,6 +56,16 @@ def test_llama_checkpoints_import_with_equal_logits(tmp_path, rope):
         assert diff <= 1e-4, (rope, length, diff)
 
 
+def test_sharded_checkpoints_load(tmp_path):
+    ref = hf_model("llama", ROPES["default"])
+    ref.save_pretrained(tmp_path, max_shard_size="100KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    ours = load_hf(tmp_path).eval()
+    ids = torch.randint(0, 101, (20,))
+    with torch.no_grad():
+        assert (ours(ids) - hf_logits(ref, ids)).abs().max().item() <= 1e-4
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "mistral"])
 def test_other_architectures_import(tmp_path, arch):
     ref = hf_model(arch, ROPES["default"])
@@ -67,10 +77,15 @@ def test_other_architectures_import(tmp_path, arch):
     assert ours.cfg.attention_bias == (arch == "qwen2")
 
 
-@pytest.mark.parametrize("rope", [RopeConfig(theta=8e6), RopeConfig(type="yarn", factor=4.0,
-                                  original_max_position_embeddings=16), ModelConfig.model_fields["rope"].default,
-                                  RopeConfig(type="longrope", original_max_position_embeddings=16,
-                                             short_factor=[1.0] * 8, long_factor=[3.0] * 8)])
+@pytest.mark.parametrize("rope", [
+    RopeConfig(),
+    RopeConfig(theta=8e6),  # ProLong's base change
+    RopeConfig(type="yarn", factor=4.0, original_max_position_embeddings=16),
+    RopeConfig(type="llama3", theta=500000.0, factor=8.0, original_max_position_embeddings=16),
+    RopeConfig(type="dynamic", factor=2.0),
+    RopeConfig(type="linear", factor=2.0),
+    RopeConfig(type="longrope", original_max_position_embeddings=16, short_factor=[1.0] * 8, long_factor=[3.0] * 8),
+])
 def test_export_loads_in_transformers_with_equal_logits(tmp_path, rope):
     from transformers import AutoModelForCausalLM
 
@@ -78,11 +93,27 @@ def test_export_loads_in_transformers_with_equal_logits(tmp_path, rope):
                       max_position_embeddings=64, rope=rope)
     torch.manual_seed(0)
     ours = Transformer(cfg).eval()
-    save_hf(ours, tmp_path)
+    save_hf(ours, tmp_path, shard_bytes=50_000)  # sharded, with an index, as large models are
+    assert (tmp_path / "model.safetensors.index.json").is_file()
     ref = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     ids = torch.randint(0, 101, (40,))
     with torch.no_grad():
         assert (ours(ids) - hf_logits(ref, ids)).abs().max().item() <= 1e-4
+
+
+def test_export_carries_the_tokenizer(tmp_path):
+    from transformers import AutoTokenizer
+
+    from longctx.config import TrainBPE
+    from longctx.data.tokenizer import TextTokenizer
+
+    tok = TextTokenizer.train(["def f(x):\n    return x + 1\n"] * 50, TrainBPE(vocab_size=300, min_frequency=1))
+    tok.save(tmp_path / "tok")
+    cfg = ModelConfig(vocab_size=tok.vocab_size, d_model=32, n_layers=1, n_heads=4, ffn_dim=48)
+    save_hf(Transformer(cfg), tmp_path / "hf", tokenizer_dir=tmp_path / "tok")
+    hf_tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert hf_tok("return x")["input_ids"] == tok.encode_texts(["return x"], False, False)[0].tolist()
+    assert hf_tok.eos_token == "<|eos|>"
 
 
 def test_fox_round_trips_natively(tmp_path):

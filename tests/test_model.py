@@ -129,6 +129,20 @@ def test_labels_never_cross_documents_and_follow_the_mask():
     assert shift_labels(ids, cu, mask).tolist() == [IGNORE, 12, 13, IGNORE, IGNORE, IGNORE, 17, 18, IGNORE, IGNORE]
 
 
+def test_backends_say_what_they_cannot_do():
+    q, k, v, log_f, cu = qkv(dtype=torch.float32)
+    with pytest.raises(ValueError, match="'varlen' has no forget-gate decay; for FoX use 'flex'"):
+        attention.varlen(q, k, v, cu, log_f)
+    with pytest.raises(ValueError, match="'flash_attn' takes float16/bfloat16, got torch.float32; use 'sdpa'"):
+        attention.flash_attn(q, k, v, cu)
+    q, k, v, _, cu = qkv(d=12, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="multiple of 8, got 12"):
+        attention.varlen(q, k, v, cu)
+    with pytest.raises(ValueError, match="'flex' cannot run on cpu here; use one of"):
+        attention.select("flex", torch.device("cpu"), fox=True)
+    assert attention.select("auto", torch.device("cpu"), fox=True) is attention.sdpa
+
+
 def test_bad_shapes_are_refused():
     with pytest.raises(ValueError, match="multiple of n_kv_heads"):
         ModelConfig(vocab_size=10, d_model=32, n_layers=1, n_heads=4, n_kv_heads=3, ffn_dim=8)

@@ -72,7 +72,7 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Te
     out = torch.empty_like(q)
     bounds = cu_seqlens.tolist()
     for a, b in zip(bounds[:-1], bounds[1:], strict=True):
-        qd, kd, vd = (t[a:b].transpose(0, 1) for t in (q, k, v))  # [H, L, D]
+        qd, kd, vd = (t[a:b].transpose(0, 1)[None] for t in (q, k, v))  # [1, H, L, D]: 4-D for the flash kernels
         if lam is None:
             o = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale, enable_gqa=groups > 1)
         else:
@@ -81,14 +81,21 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Te
             causal = torch.ones(b - a, b - a, dtype=torch.bool, device=q.device).tril()
             bias = bias.masked_fill(~causal, float("-inf")).to(q.dtype)
             o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=bias, scale=scale, enable_gqa=groups > 1)
-        out[a:b] = o.transpose(0, 1)
+        out[a:b] = o[0].transpose(0, 1)
     return out
 
 
-def _no_fox(name: str, log_f: torch.Tensor | None) -> None:
+def _flash_only(name: str, q: torch.Tensor, log_f: torch.Tensor | None) -> None:
+    """What the flash kernels cannot do, said before they are called."""
     if log_f is not None:
         raise ValueError(f"attention backend {name!r} has no forget-gate decay; for FoX use 'flex' on CUDA "
                          "or 'sdpa' / 'reference' anywhere")
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"attention backend {name!r} takes float16/bfloat16, got {q.dtype}; "
+                         "use 'sdpa' or 'flex' (or autocast)")
+    if q.shape[-1] > 256 or q.shape[-1] % 8:
+        raise ValueError(f"attention backend {name!r} takes head_dim <= 256 and a multiple of 8, got "
+                         f"{q.shape[-1]}; use 'sdpa' or 'flex'")
 
 
 def _max_len(cu_seqlens: torch.Tensor) -> int:
@@ -96,7 +103,7 @@ def _max_len(cu_seqlens: torch.Tensor) -> int:
 
 
 def flash_attn(q, k, v, cu_seqlens, log_f=None, scale=None):
-    _no_fox("flash_attn", log_f)
+    _flash_only("flash_attn", q, log_f)
     from flash_attn import flash_attn_varlen_func
 
     n = _max_len(cu_seqlens)
@@ -104,7 +111,7 @@ def flash_attn(q, k, v, cu_seqlens, log_f=None, scale=None):
 
 
 def varlen(q, k, v, cu_seqlens, log_f=None, scale=None):
-    _no_fox("varlen", log_f)
+    _flash_only("varlen", q, log_f)
     from torch.nn.attention.varlen import varlen_attn
 
     extra = {}
@@ -121,21 +128,21 @@ def varlen(q, k, v, cu_seqlens, log_f=None, scale=None):
 
 @functools.cache
 def _compiled_flex():
-    from torch.nn.attention.flex_attention import flex_attention
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    return torch.compile(flex_attention, dynamic=False)
+    # compiled block-mask construction never materializes the dense N x N mask
+    return torch.compile(flex_attention, dynamic=False), torch.compile(create_block_mask)
 
 
 def flex(q, k, v, cu_seqlens, log_f=None, scale=None):
-    from torch.nn.attention.flex_attention import create_block_mask
-
+    attend, block_mask_of = _compiled_flex()
     n = q.shape[0]
     doc = _doc_ids(cu_seqlens, n)
 
     def mask_mod(b, h, q_idx, kv_idx):
         return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
 
-    block_mask = create_block_mask(mask_mod, 1, 1, n, n, device=q.device, _compile=True)
+    block_mask = block_mask_of(mask_mod, 1, 1, n, n, device=q.device)
     score_mod = None
     if log_f is not None:
         lam = doc_cumsum(log_f, cu_seqlens).T.contiguous()  # [H, N] fp32
@@ -144,7 +151,7 @@ def flex(q, k, v, cu_seqlens, log_f=None, scale=None):
         def score_mod(score, b, h, q_idx, kv_idx):
             return score + (lam[h, q_idx] - lam_k[h, kv_idx])
 
-    out = _compiled_flex()(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+    out = attend(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                            score_mod=score_mod, block_mask=block_mask, scale=scale,
                            enable_gqa=k.shape[1] != q.shape[1])
     return out[0].transpose(0, 1)

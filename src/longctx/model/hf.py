@@ -128,7 +128,7 @@ def load_hf(folder: str | Path, dtype: torch.dtype = torch.float32, attention_ba
     return model
 
 
-def _save_weights(model: Transformer, folder: Path, prefix: str) -> None:
+def _save_weights(model: Transformer, folder: Path, prefix: str, shard_bytes: int) -> None:
     state = {}
     for name, t in model.state_dict().items():
         if model.cfg.tie_embeddings and name == "lm_head.weight":
@@ -138,7 +138,7 @@ def _save_weights(model: Transformer, folder: Path, prefix: str) -> None:
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for k, t in state.items():
-        if size and size + t.numel() * t.element_size() > SHARD_BYTES:
+        if size and size + t.numel() * t.element_size() > shard_bytes:
             shards.append({})
             size = 0
         shards[-1][k] = t
@@ -156,12 +156,13 @@ def _save_weights(model: Transformer, folder: Path, prefix: str) -> None:
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
 
 
-def save_hf(model: Transformer, folder: str | Path, tokenizer_dir: str | Path | None = None) -> None:
+def save_hf(model: Transformer, folder: str | Path, tokenizer_dir: str | Path | None = None,
+            shard_bytes: int = SHARD_BYTES) -> None:
     """An HF directory `AutoModelForCausalLM.from_pretrained` loads (Llama architecture)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config_to_hf(model.cfg), indent=2) + "\n")
-    _save_weights(model, folder, "model.")
+    _save_weights(model, folder, "model.", shard_bytes)
     if tokenizer_dir is not None:
         for f in Path(tokenizer_dir).iterdir():
             if f.is_file() and (f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json",
@@ -169,13 +170,13 @@ def save_hf(model: Transformer, folder: str | Path, tokenizer_dir: str | Path | 
                 shutil.copy2(f, folder / f.name)
 
 
-def save_native(model: Transformer, folder: str | Path) -> None:
+def save_native(model: Transformer, folder: str | Path, shard_bytes: int = SHARD_BYTES) -> None:
     """Our format (any model, FoX included): safetensors + longctx_config.json."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     meta = {"format_version": FORMAT_VERSION, "model": model.cfg.model_dump(mode="json")}
     (folder / "longctx_config.json").write_text(json.dumps(meta, indent=2) + "\n")
-    _save_weights(model, folder, "")
+    _save_weights(model, folder, "", shard_bytes)
 
 
 def load_native(folder: str | Path, dtype: torch.dtype = torch.float32, attention_backend: str = "auto") -> Transformer:
