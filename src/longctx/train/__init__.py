@@ -1,0 +1,1 @@
+"""Training: optimizer and schedule, atomic resumable checkpoints, and the loop."""

@@ -1,0 +1,103 @@
+"""Atomic, resumable checkpoints with no pickles: weights, optimizer state and RNG states in
+safetensors, everything else (step, data position, hyperparameters) in JSON.
+
+<dir>/step-00000100/ is written as a temp directory and renamed when complete, so a run killed
+mid-save leaves the previous checkpoint as the latest.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..errors import DataError
+from ..io import atomic_dir
+
+NAME = re.compile(r"^step-(\d{8})$")
+
+
+def _optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
+    sd = opt.state_dict()
+    tensors = {}
+    for idx, state in sd["state"].items():
+        for name, value in state.items():
+            t = value if torch.is_tensor(value) else torch.tensor(value)
+            tensors[f"state.{idx}.{name}"] = t.detach().cpu().contiguous()
+    groups = [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()} for g in sd["param_groups"]]
+    return tensors, {"param_groups": groups}
+
+
+def save(root: Path, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer, state: dict[str, Any],
+         keep_last: int = 2) -> Path:
+    final = root / f"step-{step:08d}"
+    with atomic_dir(final) as tmp:
+        weights = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+        if getattr(model, "cfg", None) is not None and model.cfg.tie_embeddings:
+            weights.pop("lm_head.weight", None)
+        save_file(weights, str(tmp / "model.safetensors"))
+        tensors, meta = _optimizer_tensors(opt)
+        save_file(tensors, str(tmp / "optimizer.safetensors"))
+        rng = {"torch": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng |= {f"cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())}
+        save_file(rng, str(tmp / "rng.safetensors"))
+        py_state = random.getstate()
+        doc = {"step": step, "state": state, "optimizer": meta,
+               "python_random": [py_state[0], list(py_state[1]), py_state[2]]}
+        (tmp / "trainer_state.json").write_text(json.dumps(doc, indent=1))
+    for old in sorted(checkpoints(root))[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def checkpoints(root: Path) -> list[Path]:
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if NAME.match(p.name) and (p / "trainer_state.json").is_file())
+
+
+def latest(root: Path) -> Path | None:
+    found = checkpoints(root)
+    return found[-1] if found else None
+
+
+def load(folder: Path, model: torch.nn.Module, opt: torch.optim.Optimizer | None) -> dict:
+    """Restore weights, optimizer and RNG states; return the trainer state (step, data position...)."""
+    try:
+        doc = json.loads((folder / "trainer_state.json").read_text())
+        weights = load_file(str(folder / "model.safetensors"))
+    except Exception as e:  # a missing file, bad JSON, or safetensors' own error types
+        raise DataError(f"{folder}: unreadable checkpoint: {e}") from None
+    if getattr(model, "cfg", None) is not None and model.cfg.tie_embeddings:
+        weights["lm_head.weight"] = weights["embed_tokens.weight"]
+    own = model.state_dict()
+    bad = sorted(k for k in own if k not in weights or weights[k].shape != own[k].shape)
+    if bad or set(weights) - set(own):
+        raise DataError(f"{folder}: checkpoint does not fit the model (first mismatches: {bad[:3]})")
+    model.load_state_dict(weights)
+    if opt is not None:
+        tensors = load_file(str(folder / "optimizer.safetensors"))
+        state: dict[int, dict] = {}
+        for key, t in tensors.items():
+            _, idx, name = key.split(".", 2)
+            state.setdefault(int(idx), {})[name] = t
+        groups = doc["optimizer"]["param_groups"]
+        for g in groups:
+            if "betas" in g:
+                g["betas"] = tuple(g["betas"])
+        opt.load_state_dict({"state": state, "param_groups": groups})
+    rng = load_file(str(folder / "rng.safetensors"))
+    torch.set_rng_state(rng["torch"])
+    cuda = [rng[k] for k in sorted(k for k in rng if k.startswith("cuda."))]
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)
+    v, s, g = doc["python_random"]
+    random.setstate((v, tuple(s), g))
+    return {"step": doc["step"], **doc["state"]}

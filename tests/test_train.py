@@ -1,0 +1,103 @@
+"""The training loop on CPU: schedule, weight-decay groups, the exact token-averaged loss,
+bitwise-identical resume after SIGKILL, and a clean stop on a NaN loss."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO
+from longctx.data.loader import PackedDataset
+from longctx.model.config import ModelConfig
+from longctx.model.transformer import Transformer
+from longctx.train import checkpoint
+from longctx.train.loop import TrainConfig, TrainingDiverged, make_batch, train
+from longctx.train.optim import lr_at, param_groups
+
+
+def test_schedule_warms_up_then_decays_to_the_floor():
+    lrs = [lr_at(s, 100, 1e-3, 0.1, 1e-4) for s in range(100)]
+    assert lrs[0] == pytest.approx(1e-4) and lrs[9] == pytest.approx(1e-3)
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:], strict=False))
+    assert lrs[-1] == pytest.approx(1e-4, rel=1e-2)
+
+
+def tiny_model(**kw) -> Transformer:
+    torch.manual_seed(0)
+    return Transformer(ModelConfig(vocab_size=1024, d_model=32, n_layers=2, n_heads=4, ffn_dim=64,
+                                   max_position_embeddings=2048, **kw), attention_backend="sdpa")
+
+
+def test_no_weight_decay_on_norms_and_biases():
+    from longctx.model.config import FoxConfig
+
+    model = tiny_model(rope=None, fox=FoxConfig())
+    decay, no_decay = param_groups(model, 0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert all(p.dim() == 2 for p in decay["params"])
+    undecayed = {names[id(p)].split(".")[-2] + "." + names[id(p)].split(".")[-1] for p in no_decay["params"]}
+    assert {"fgate.bias", "input_layernorm.weight", "q_norm.weight"} <= undecayed
+
+
+def test_loss_is_the_mean_over_all_valid_tokens_of_the_step(small_project):
+    data = PackedDataset(small_project / "data/packed/sft/train")
+    model = tiny_model().double()
+    samples = [0, 1, 2, 3]
+    batches = [make_batch(data, [i], torch.device("cpu")) for i in samples]
+    from longctx.model.loss import IGNORE, chunked_cross_entropy
+
+    valid = sum(int((b.labels != IGNORE).sum()) for b in batches)
+    per_batch = [int((b.labels != IGNORE).sum()) for b in batches]
+    assert len(set(per_batch)) > 1  # SFT: valid tokens differ between sequences
+    total = sum(chunked_cross_entropy(model.hidden(b.ids, b.cu_seqlens), model.lm_head.weight, b.labels) / valid
+                for b in batches)
+    whole = make_batch(data, samples, torch.device("cpu"))
+    logits = model(whole.ids, whole.cu_seqlens)
+    plain = torch.nn.functional.cross_entropy(logits, whole.labels, ignore_index=IGNORE)
+    torch.testing.assert_close(total, plain)
+
+
+def read_losses(path: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in path.read_text().splitlines()]
+
+
+def test_killed_run_resumes_bitwise(small_project, tmp_path):
+    data = str(small_project / "data/packed/stage1/train")
+    env = {**os.environ, "PYTHONPATH": f"{REPO / 'src'}{os.pathsep}{REPO / 'tests'}"}
+    worker = [sys.executable, str(REPO / "tests" / "train_worker.py")]
+    subprocess.run([*worker, data, str(tmp_path / "straight"), "10", "2"], env=env, check=True, capture_output=True)
+    # the same run, killed with SIGKILL once its step-4 checkpoint exists, then started again
+    proc = subprocess.Popen([*worker, data, str(tmp_path / "killed"), "10", "2"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    target = tmp_path / "killed" / "checkpoints" / "step-00000004"
+    deadline = time.time() + 300
+    while not target.is_dir() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    done = [p.name for p in checkpoint.checkpoints(tmp_path / "killed" / "checkpoints")]
+    assert "step-00000010" not in done, "the run finished before it was killed"
+    subprocess.run([*worker, data, str(tmp_path / "killed"), "10", "2"], env=env, check=True, capture_output=True)
+    straight = read_losses(tmp_path / "straight" / "metrics.jsonl")
+    resumed = read_losses(tmp_path / "killed" / "metrics.jsonl")
+    assert len(straight) == 10 and resumed == straight  # exact floats: bitwise the same run
+
+
+def test_nan_loss_stops_before_any_checkpoint(small_project, tmp_path):
+    data = PackedDataset(small_project / "data/packed/stage1/train")
+    model = tiny_model()
+    cfg = TrainConfig(steps=4, lr=1e-3, checkpoint_every=1)
+    train(model, data, cfg.model_copy(update={"steps": 2}), tmp_path)
+    with torch.no_grad():
+        model.layers[0].mlp.up_proj.weight.fill_(float("nan"))
+    with pytest.raises(TrainingDiverged, match=r"step 0: loss is nan.*documents \[\[\{\"domain\""):
+        train(model, data, cfg, tmp_path, resume=False)
+    assert [p.name for p in checkpoint.checkpoints(tmp_path / "checkpoints")] == ["step-00000001", "step-00000002"]
