@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from longctx.model import attention  # noqa: E402
 from longctx.model.config import PRESETS, FoxConfig, ModelConfig  # noqa: E402
 from longctx.model.loss import chunked_cross_entropy, shift_labels  # noqa: E402
-from longctx.model.rope import RopeConfig  # noqa: E402
+from longctx.model.config import RopeConfig  # noqa: E402
 from longctx.model.transformer import Transformer  # noqa: E402
 
 

@@ -37,6 +37,14 @@ SMALL = {
             "textbooks": {8192: None, 2048: 1.0}}},
         "sft": {"seq_len": 512},
     }},
+    "model": {"d_model": 32, "n_layers": 2, "n_heads": 4, "ffn_dim": 64, "max_position_embeddings": 256},
+    "train": {
+        "base": {"steps": 4, "micro_batch": 2, "val_sequences": 4, "checkpoint_every": 2},
+        "pretrain": {"stages": [
+            {"split": "stage1", "steps": 2, "lr": 1e-3, "rope_theta": 160000.0, "val_sequences": 2},
+            {"split": "stage2", "steps": 2, "lr": 1e-3, "rope_theta": 2560000.0, "val_sequences": 2}]},
+        "sft": {"steps": 2, "val_sequences": 2},
+    },
 }
 
 

@@ -53,6 +53,9 @@ def test_prolong_mix_is_table_9():
         ({"corpora": {"domains": {"books": {"sources": [{"path": "x", "group_by": "repo"}]}}}},
          r"corpora\.domains\.books\.sources\.0: .*hub sources only"),
         ({"profile": "huge"}, r"unknown profile 'huge'"),
+        ({"train": {"base": None}}, r"train\.pretrain\.init: 'base' needs a train\.base section"),
+        ({"train": {"sft": {"lr": -1}}}, r"train\.sft\.lr"),
+        ({"model": {"arch": "mamba"}}, r"model\.arch"),
     ],
 )
 def test_bad_values_name_the_key(overrides, message):
@@ -61,8 +64,11 @@ def test_bad_values_name_the_key(overrides, message):
 
 
 def test_null_drops_a_key_and_text_keys_match_numbers():
-    cfg = config.resolve({"pack": {"splits": {"stage2": None}}})
+    cfg = config.resolve({"pack": {"splits": {"stage2": None}},
+                          "train": {"pretrain": {"stages": [{"split": "stage1", "steps": 1, "lr": 1e-3}]}}})
     assert "stage2" not in cfg.pack.splits
+    with pytest.raises(ConfigError, match=r"train\.pretrain\.stages\.1\.split: 'stage2' is not a pack split"):
+        config.resolve({"pack": {"splits": {"stage2": None}}})
     cfg = config.resolve({"pack": {"splits": {"stage2": {"lengths": {"books": {"8192": 0.5, "2048": 0.5}}}}}})
     assert cfg.chunk_lengths("stage2", "books") == {8192: 0.5, 2048: 0.5}
 

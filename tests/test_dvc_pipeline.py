@@ -47,7 +47,7 @@ def workspace(tmp_path_factory) -> tuple[Path, dict]:
 def test_dvc_repro_runs_the_stages_and_tracks_them(workspace):
     ws, env = workspace
     out = sh(["dvc", "repro"], ws, env)
-    for stage in ("corpora", "tokenize", "pack"):
+    for stage in ("corpora", "tokenize", "pack", "base", "pretrain", "sft"):
         assert f"Running stage '{stage}'" in out
     assert (ws / "data/packed/stage1/train/tokens.bin").stat().st_size > 0
     assert json.loads((ws / "metrics/pack.json").read_text())["stage1.train"]["sequences"] > 0
@@ -58,7 +58,7 @@ def test_dvc_repro_runs_the_stages_and_tracks_them(workspace):
     client = MlflowClient(tracking_uri=f"sqlite:///{ws / 'mlflow.db'}")
     exp = client.get_experiment_by_name("longctx")
     runs = {r.info.run_name: r for r in client.search_runs([exp.experiment_id])}
-    assert set(runs) == {"corpora", "tokenize", "pack"}
+    assert set(runs) == {"corpora", "tokenize", "pack", "base", "pretrain", "sft"}
     assert all(r.info.status == "FINISHED" for r in runs.values())
     assert runs["pack"].data.params["pack.seed"] == "0"
     assert runs["pack"].data.metrics["tokens_per_s"] > 0
@@ -66,6 +66,15 @@ def test_dvc_repro_runs_the_stages_and_tracks_them(workspace):
     assert runs["corpora"].data.tags["git.commit"]
     artifacts = {a.path for a in client.list_artifacts(runs["tokenize"].info.run_id)}
     assert {"length_hist.png", "length_table.txt"} <= artifacts
+    # the training chain: base -> pretrain (two curriculum stages, base change) -> sft
+    assert len(client.get_metric_history(runs["base"].info.run_id, "loss")) == 4
+    pretrain = json.loads((ws / "metrics/pretrain.json").read_text())
+    assert set(pretrain) == {"stage1", "stage2"} and all(v["val_loss"] > 0 for v in pretrain.values())
+    stage2 = json.loads((ws / "models/pretrain/stage2/longctx_config.json").read_text())["model"]
+    assert stage2["rope"]["theta"] == 2560000.0 and stage2["max_position_embeddings"] == 2048
+    hf = json.loads((ws / "models/sft/hf/config.json").read_text())
+    assert hf["rope_theta"] == 2560000.0 and (ws / "models/sft/hf/tokenizer.json").is_file()
+    assert json.loads((ws / "metrics/sft.json").read_text())["steps"] == 2
 
 
 def test_a_pack_param_reruns_pack_alone(workspace):
@@ -81,3 +90,9 @@ def test_a_pack_param_reruns_pack_alone(workspace):
     out = sh(["dvc", "repro"], ws, env)
     assert "Running stage 'pack'" in out
     assert "Running stage 'corpora'" not in out and "Running stage 'tokenize'" not in out
+    # a training param reruns its stage and the ones after it, nothing before
+    params["train"]["sft"]["lr"] = 2e-3
+    (ws / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    out = sh(["dvc", "repro"], ws, env)
+    assert "Running stage 'sft'" in out
+    assert not any(f"Running stage '{s}'" in out for s in ("corpora", "tokenize", "pack", "base", "pretrain"))

@@ -11,7 +11,7 @@ import torch
 from longctx.errors import DataError
 from longctx.model.config import FoxConfig, ModelConfig
 from longctx.model.hf import load_hf, load_native, save_hf, save_native
-from longctx.model.rope import RopeConfig
+from longctx.model.config import RopeConfig
 from longctx.model.transformer import Transformer
 
 ROPES = {

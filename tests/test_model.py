@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from longctx.model import attention
 from longctx.model.config import FoxConfig, ModelConfig
 from longctx.model.loss import IGNORE, chunked_cross_entropy, shift_labels
-from longctx.model.rope import RopeConfig
+from longctx.model.config import RopeConfig
 from longctx.model.transformer import Transformer
 
 
@@ -42,7 +42,9 @@ def test_reference_is_the_formula():
 
 
 @pytest.mark.parametrize("fox", [False, True])
-def test_sdpa_matches_reference_with_gradients(fox):
+@pytest.mark.parametrize("group", [16, 2048])  # documents attended in several runs, or in one
+def test_sdpa_matches_reference_with_gradients(fox, group, monkeypatch):
+    monkeypatch.setattr(attention, "GROUP_TOKENS", group)
     q, k, v, log_f, cu = qkv(dtype=torch.float64)
     for t in (q, k, v, log_f):
         t.requires_grad_(True)

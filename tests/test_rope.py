@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from longctx.model.rope import RopeConfig, cos_sin, from_hf, hf_rope_parameters, inverse_frequencies, rotate
+from longctx.model.config import RopeConfig
+from longctx.model.rope import cos_sin, from_hf, hf_rope_parameters, inverse_frequencies, rotate
 
 HEAD_DIM = 64
 MAX_POS = 32768

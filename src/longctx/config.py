@@ -25,6 +25,7 @@ from pydantic import (
 )
 
 from .errors import ConfigError
+from .model.config import FoxConfig
 
 SUM_TOLERANCE = 1e-6
 
@@ -163,6 +164,76 @@ class PackConfig(Strict):
     splits: dict[str, SplitSpec] = Field(min_length=1)
 
 
+# ---------------------------------------------------------------- model and training
+
+
+class ModelParams(Strict):
+    """The model the `base` stage trains (vocab_size comes from the tokenizer)."""
+
+    arch: Literal["llama", "fox"] = "llama"
+    d_model: PositiveInt
+    n_layers: PositiveInt
+    n_heads: PositiveInt
+    n_kv_heads: PositiveInt | None = None
+    ffn_dim: PositiveInt
+    max_position_embeddings: PositiveInt
+    """The base model's context window (the original window L_train of RoPE scaling)."""
+    rope_theta: float = Field(default=10000.0, gt=1)
+    fox: FoxConfig = FoxConfig()
+    """FoX (Pro) components, used when arch is fox."""
+    tie_embeddings: bool = False
+    attention_backend: str = "auto"
+
+
+class TrainConfig(Strict):
+    """One run of the training loop."""
+
+    steps: PositiveInt
+    micro_batch: PositiveInt = 1
+    """Packed sequences per micro-batch."""
+    grad_accum: PositiveInt = 1
+    lr: float = Field(gt=0)
+    lr_min: float = Field(default=0.0, ge=0)
+    warmup: float = Field(default=0.1, ge=0, le=1)
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = Field(default=0.1, ge=0)
+    clip: float = Field(default=1.0, gt=0)
+    seed: int = 0
+    checkpoint_every: PositiveInt = 100
+    keep_last: PositiveInt = 2
+    loss_chunk: PositiveInt = 2048
+    activation_checkpointing: bool = False
+
+
+class TrainStage(TrainConfig):
+    split: str
+    """The packed split (pack.splits) it trains on."""
+    val_sequences: PositiveInt = 64
+    """Validation sequences scored at the end."""
+
+
+class PretrainStage(TrainStage):
+    rope_theta: float | None = Field(default=None, gt=1)
+    """RoPE base for this stage (ProLong: 8e6 at 64K, 1.28e8 at 512K); null keeps the model's."""
+
+
+class PretrainParams(Strict):
+    init: str = "base"
+    """"base" (the base stage's model) or an HF checkpoint directory."""
+    factors: str | None = None
+    """A LongRoPE factors JSON (HF longrope form, from rope_search): replaces the base change;
+    documents within the original window keep the original RoPE (mixed context window)."""
+    stages: list[PretrainStage] = Field(min_length=1)
+
+
+class TrainParams(Strict):
+    base: TrainStage | None = None
+    """Short-context training of a base model from scratch; null when pretrain starts from a
+    pretrained checkpoint."""
+    pretrain: PretrainParams
+    sft: TrainStage
+
+
 # ---------------------------------------------------------------- tracking
 
 
@@ -181,6 +252,8 @@ class Config(Strict):
     corpora: CorporaConfig
     tokenize: TokenizeConfig
     pack: PackConfig
+    model: ModelParams
+    train: TrainParams
     tracking: TrackingConfig = TrackingConfig()
 
     @model_validator(mode="after")
@@ -224,6 +297,13 @@ class Config(Strict):
                             f"tokenize.long_min_tokens: {self.tokenize.long_min_tokens} is above "
                             f"the chunk length {shortest} of long domain {d} in {where}"
                         )
+        if self.train.base is None and self.train.pretrain.init == "base":
+            raise ValueError("train.pretrain.init: 'base' needs a train.base section (or give a checkpoint dir)")
+        stages = [("train.sft", self.train.sft)] + ([("train.base", self.train.base)] if self.train.base else [])
+        stages += [(f"train.pretrain.stages.{i}", st) for i, st in enumerate(self.train.pretrain.stages)]
+        for where, stage in stages:
+            if stage.split not in self.pack.splits:
+                raise ValueError(f"{where}.split: {stage.split!r} is not a pack split ({sorted(self.pack.splits)})")
         return self
 
     def flat_mix(self, split: str) -> dict[str, float]:
@@ -269,11 +349,14 @@ def available_profiles() -> list[str]:
 
 
 def merge(base: dict, over: dict) -> dict:
-    """Deep-merge `over` into a copy of `base`; dicts merge, other values replace, None drops.
-    Keys match by their text, so a YAML `"8192"` overrides a profile's `8192`."""
+    """Deep-merge `over` into a copy of `base`; dicts merge, other values replace, None drops, an
+    empty dict changes nothing. Keys match by their text, so a YAML `"8192"` overrides a
+    profile's `8192`."""
     out = dict(base)
     for k, v in over.items():
         k = next((b for b in out if str(b) == str(k)), k)
+        if v == {}:
+            continue
         if v is None:
             out.pop(k, None)
         elif isinstance(v, dict) and isinstance(out.get(k), dict):

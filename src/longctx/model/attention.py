@@ -65,22 +65,43 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: tor
     return torch.einsum("hqk,khd->qhd", probs, v.to(acc)).to(q.dtype)
 
 
+GROUP_TOKENS = 256  # measured on CPU: per-call overhead vs wasted masked work
+
+
+def _groups(bounds: list[int]) -> list[tuple[int, int, bool]]:
+    """Runs of consecutive documents of at most GROUP_TOKENS tokens (a longer document alone):
+    (start, stop, holds several documents). One kernel call per run instead of per document."""
+    out, start, docs = [], bounds[0], 1
+    for prev, end in zip(bounds[1:-1], bounds[2:], strict=True):
+        if end - start > GROUP_TOKENS:
+            out.append((start, prev, docs > 1))
+            start, docs = prev, 0
+        docs += 1
+    out.append((start, bounds[-1], docs > 1))
+    return out
+
+
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
          log_f: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
     groups = q.shape[1] // k.shape[1]
     lam = doc_cumsum(log_f, cu_seqlens) if log_f is not None else None
     out = torch.empty_like(q)
     bounds = cu_seqlens.tolist()
-    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+    doc = _doc_ids(cu_seqlens, q.shape[0]) if len(bounds) > 2 else None
+    for a, b, several in _groups(bounds):
         qd, kd, vd = (t[a:b].transpose(0, 1)[None] for t in (q, k, v))  # [1, H, L, D]: 4-D for the flash kernels
-        if lam is None:
+        if lam is None and not several:
             o = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale, enable_gqa=groups > 1)
         else:
-            ld = lam[a:b].T  # [H, L]
-            bias = ld[:, :, None] - ld[:, None, :]
-            causal = torch.ones(b - a, b - a, dtype=torch.bool, device=q.device).tril()
-            bias = bias.masked_fill(~causal, float("-inf")).to(q.dtype)
-            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=bias, scale=scale, enable_gqa=groups > 1)
+            allowed = torch.ones(b - a, b - a, dtype=torch.bool, device=q.device).tril()
+            if several:
+                allowed &= doc[a:b, None] == doc[None, a:b]
+            if lam is None:
+                mask = allowed
+            else:
+                ld = lam[a:b].T  # [H, L]
+                mask = (ld[:, :, None] - ld[:, None, :]).masked_fill(~allowed, float("-inf")).to(q.dtype)
+            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale, enable_gqa=groups > 1)
         out[a:b] = o[0].transpose(0, 1)
     return out
 

@@ -17,49 +17,10 @@ Types:
 from __future__ import annotations
 
 import math
-from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-RopeType = Literal["default", "linear", "dynamic", "yarn", "llama3", "longrope"]
-
-
-class RopeConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    type: RopeType = "default"
-    theta: float = Field(default=10000.0, gt=1)
-    factor: float | None = Field(default=None, gt=0)
-    original_max_position_embeddings: int | None = Field(default=None, gt=0)
-    attention_factor: float | None = Field(default=None, gt=0)
-    # yarn
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float | None = None
-    mscale_all_dim: float | None = None
-    truncate: bool = True
-    # llama3
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    # longrope
-    short_factor: list[float] | None = None
-    long_factor: list[float] | None = None
-
-    @model_validator(mode="after")
-    def _needs(self) -> RopeConfig:
-        need = {
-            "linear": ("factor",),
-            "dynamic": ("factor",),
-            "yarn": ("original_max_position_embeddings",),
-            "llama3": ("factor", "original_max_position_embeddings"),
-            "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
-        }.get(self.type, ())
-        missing = [k for k in need if getattr(self, k) is None]
-        if missing:
-            raise ValueError(f"rope type {self.type!r} needs {missing}")
-        return self
-
+from .config import RopeConfig
 
 def _base_exponents(dim: int) -> torch.Tensor:
     return torch.arange(0, dim, 2, dtype=torch.int64).float() / dim

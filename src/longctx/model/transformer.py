@@ -12,6 +12,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from . import attention
@@ -168,6 +169,8 @@ class Transformer(nn.Module):
             raise ValueError(f"attention backend {attention_backend!r} is unknown (known: "
                              f"{sorted(attention.BACKENDS)} or 'auto')")
         self.attention_backend = attention_backend
+        self.checkpoint_layers = False
+        """Recompute each layer's activations in the backward pass (memory for compute)."""
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -227,7 +230,10 @@ class Transformer(nn.Module):
         attend = attention.select(self.attention_backend, x.device, self.cfg.fox is not None)
         ctx = Context(cu_seqlens, n, cos, sin, attend, cache)
         for layer in self.layers:
-            x = layer(x, ctx)
+            if self.checkpoint_layers and cache is None and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(layer, x, ctx, use_reentrant=False)
+            else:
+                x = layer(x, ctx)
         if cache is not None:
             cache.length += n
         return self.norm(x)

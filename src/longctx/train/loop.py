@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 from tqdm import tqdm
 
+from ..config import TrainConfig
 from ..data.loader import PackedDataset
 from ..errors import LongctxError
 from ..model.loss import IGNORE, chunked_cross_entropy, shift_labels
@@ -28,25 +28,6 @@ from . import checkpoint
 from .optim import adamw, lr_at
 
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12}
-
-
-class TrainConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    steps: int = Field(gt=0)
-    micro_batch: int = Field(default=1, gt=0)
-    """Packed sequences per micro-batch."""
-    grad_accum: int = Field(default=1, gt=0)
-    lr: float = Field(gt=0)
-    lr_min: float = Field(default=0.0, ge=0)
-    warmup: float = Field(default=0.1, ge=0, le=1)
-    betas: tuple[float, float] = (0.9, 0.95)
-    weight_decay: float = Field(default=0.1, ge=0)
-    clip: float = Field(default=1.0, gt=0)
-    seed: int = 0
-    checkpoint_every: int = Field(default=100, gt=0)
-    keep_last: int = Field(default=2, gt=0)
-    loss_chunk: int = Field(default=2048, gt=0)
 
 
 class TrainingDiverged(LongctxError):
@@ -109,6 +90,7 @@ def train(model: Transformer, data: PackedDataset, cfg: TrainConfig, out: Path, 
     metrics per step in out/metrics.jsonl. Resumes from the latest checkpoint when there is one."""
     device = next(model.parameters()).device
     opt = adamw(model, cfg.lr, cfg.betas, cfg.weight_decay)
+    model.checkpoint_layers = cfg.activation_checkpointing
     ckpt_dir = out / "checkpoints"
     log_path = out / "metrics.jsonl"
     start = 0
@@ -166,6 +148,20 @@ def train(model: Transformer, data: PackedDataset, cfg: TrainConfig, out: Path, 
                             cfg.keep_last)
     bar.close()
     return last
+
+
+@torch.no_grad()
+def mean_loss(model: Transformer, data: PackedDataset, sequences: int, loss_chunk: int = 2048) -> float:
+    """Mean next-token loss over the valid tokens of the first `sequences` sequences."""
+    device = next(model.parameters()).device
+    total, valid = 0.0, 0
+    for i in range(min(sequences, len(data))):
+        b = make_batch(data, [i], device)
+        with _autocast(device):
+            hidden = model.hidden(b.ids, b.cu_seqlens)
+        total += float(chunked_cross_entropy(hidden, model.lm_head.weight, b.labels, loss_chunk))
+        valid += int((b.labels != IGNORE).sum())
+    return total / max(valid, 1)
 
 
 def _truncate_log(path: Path, step: int) -> None:

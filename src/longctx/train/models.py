@@ -1,0 +1,88 @@
+"""Building the model each training stage starts from: a fresh base model from params, a saved
+checkpoint (ours or HF), and the same weights under new position settings (a RoPE base change
+or LongRoPE factors) for long-context training."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ..config import ModelParams
+from ..errors import DataError
+from ..model.config import ModelConfig, RopeConfig
+from ..model.hf import load_hf, load_native, save_hf, save_native
+from ..model.transformer import Transformer
+
+
+def base_model(params: ModelParams, vocab_size: int, seed: int) -> Transformer:
+    cfg = ModelConfig(
+        vocab_size=vocab_size,
+        d_model=params.d_model,
+        n_layers=params.n_layers,
+        n_heads=params.n_heads,
+        n_kv_heads=params.n_kv_heads,
+        ffn_dim=params.ffn_dim,
+        max_position_embeddings=params.max_position_embeddings,
+        tie_embeddings=params.tie_embeddings,
+        rope=None if params.arch == "fox" else RopeConfig(theta=params.rope_theta),
+        fox=params.fox if params.arch == "fox" else None,
+    )
+    torch.manual_seed(seed)
+    return Transformer(cfg, params.attention_backend)
+
+
+def load_model(path: str | Path, attention_backend: str = "auto") -> Transformer:
+    """Our checkpoint directory (longctx_config.json) or an HF one (config.json), or a hub id."""
+    folder = Path(path)
+    if (folder / "longctx_config.json").is_file():
+        return load_native(folder, attention_backend=attention_backend)
+    if not folder.is_dir() and not str(path).startswith((".", "/")) and str(path).count("/") == 1:
+        from huggingface_hub import snapshot_download
+
+        try:
+            folder = Path(snapshot_download(repo_id=str(path), allow_patterns=["*.json", "*.safetensors"]))
+        except Exception as e:
+            raise DataError(f"{path}: not a local checkpoint and could not be downloaded: {e}") from None
+    return load_hf(folder, attention_backend=attention_backend)
+
+
+def with_positions(model: Transformer, rope: RopeConfig | None, window: int) -> Transformer:
+    """The same weights with another RoPE setting and context window."""
+    cfg = model.cfg.model_copy(update={"rope": rope if model.cfg.rope is not None else None,
+                                       "max_position_embeddings": window})
+    new = Transformer(cfg, model.attention_backend)
+    new.load_state_dict(model.state_dict())
+    return new.to(next(model.parameters()).device)
+
+
+def longrope_factors(path: str | Path, model: Transformer) -> RopeConfig:
+    """LongRoPE factors from a JSON file in HF's longrope form, checked against the model."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: LongRoPE factors file not found (run the rope_search stage)")
+    try:
+        doc = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}: corrupt JSON: {e}") from None
+    if model.cfg.rope is None:
+        raise DataError(f"{path}: the model has no RoPE (FoX); LongRoPE factors do not apply")
+    half = model.cfg.dim_head // 2
+    for key in ("short_factor", "long_factor"):
+        values = doc.get(key, [1.0] * half if key == "short_factor" else None)
+        if not isinstance(values, list) or len(values) != half:
+            raise DataError(f"{path}: {key} must be a list of {half} numbers (head_dim {model.cfg.dim_head})")
+        doc[key] = values
+    return RopeConfig(type="longrope", theta=model.cfg.rope.theta, short_factor=doc["short_factor"],
+                      long_factor=doc["long_factor"],
+                      original_max_position_embeddings=doc.get("original_max_position_embeddings",
+                                                               model.cfg.max_position_embeddings),
+                      attention_factor=doc.get("attention_factor"))
+
+
+def save_model(model: Transformer, folder: Path, tokenizer_dir: Path | None) -> None:
+    """Our format always; an HF export beside it (folder/hf) for RoPE models."""
+    save_native(model, folder)
+    if model.cfg.fox is None and model.cfg.rope is not None:
+        save_hf(model, folder / "hf", tokenizer_dir)

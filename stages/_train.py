@@ -1,0 +1,87 @@
+"""What the base, pretrain and SFT stages share: data, run folders that resume, outputs."""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+from pathlib import Path
+
+from longctx.config import Config, TrainConfig, TrainStage, flat
+from longctx.data.loader import PackedDataset
+from longctx.errors import DataError
+from longctx.io import read_json, write_json
+from longctx.model.transformer import Transformer
+from longctx.train.loop import mean_loss, train
+from longctx.train.models import save_model
+
+from ._run import METRICS, PACKED, TOKENS
+
+MODELS = Path("models")
+RUNS = Path("runs")  # checkpoints of unfinished runs: scratch, not a DVC output
+
+
+def vocab_size() -> int:
+    return int(read_json(TOKENS / "index.json", "token index")["vocab_size"])
+
+
+def split_data(stage: TrainStage, model: Transformer) -> tuple[PackedDataset, PackedDataset]:
+    train_data = PackedDataset(PACKED / stage.split / "train")
+    if int(train_data.index["vocab_size"]) > model.cfg.vocab_size:
+        raise DataError(f"{PACKED / stage.split}: token ids go up to {train_data.index['vocab_size']}, the model's "
+                        f"vocabulary has {model.cfg.vocab_size}: the tokenizer does not match the checkpoint")
+    return train_data, PackedDataset(PACKED / stage.split / "val")
+
+
+def fingerprint(folder: Path) -> str:
+    """Identifies a saved model cheaply (names, sizes, modification times of its files)."""
+    h = hashlib.sha256()
+    for f in sorted(folder.rglob("*")) if folder.is_dir() else []:
+        if f.is_file():
+            st = f.stat()
+            h.update(f"{f.relative_to(folder)}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:16]
+
+
+def run_folder(name: str, stage: TrainStage, model: Transformer, init: str) -> Path:
+    """A run resumes only into the folder of the same params, model and starting weights."""
+    key = json.dumps([stage.model_dump(mode="json"), model.cfg.model_dump(mode="json"), init], sort_keys=True)
+    return RUNS / name / hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+def fit(name: str, stage: TrainStage, model: Transformer, init: str, tracker, plot: Path) -> dict:
+    """Train one stage (resuming if a run of it was interrupted); write its loss curve to `plot`
+    (CSV, a DVC plot); return its summary."""
+    train_data, val_data = split_data(stage, model)
+    folder = run_folder(name, stage, model, init)
+    tracker.text(str(folder), f"{name}_run_folder.txt")
+    last = train(model, train_data, TrainConfig(**stage.model_dump(exclude={"split", "val_sequences"})),
+                 folder, tracker)
+    val = mean_loss(model, val_data, stage.val_sequences, stage.loss_chunk)
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    plot.parent.mkdir(parents=True, exist_ok=True)
+    with plot.open("w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=["step", "loss", "lr", "grad_norm", "tokens_per_s"],
+                                extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    summary = {"train_loss": last["loss"], "val_loss": val, "steps": stage.steps,
+               "tokens_per_s": sum(r["tokens_per_s"] for r in rows[-10:]) / len(rows[-10:])}
+    tracker.metrics({f"final.{k}": v for k, v in summary.items()})
+    tracker.artifact(plot)
+    return summary
+
+
+def save(model: Transformer, folder: Path, summary: dict) -> None:
+    """The model (ours + HF export, with the tokenizer) and its training summary."""
+    save_model(model, folder, TOKENS / "tokenizer")
+    write_json(folder / "summary.json", summary)
+
+
+def write_metrics(name: str, summary: dict) -> None:
+    METRICS.mkdir(exist_ok=True)
+    write_json(METRICS / f"{name}.json", summary)
+
+
+def params(cfg: Config, section: str) -> dict:
+    return flat(cfg.model, "model") | flat(getattr(cfg.train, section), f"train.{section}")

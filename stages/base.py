@@ -1,0 +1,40 @@
+"""DVC stage `base`: train a short-context model from scratch (the tiny stand-in for a
+pretrained model). With no train.base section it records that pretraining starts from a
+pretrained checkpoint instead."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from longctx.config import Config
+from longctx.io import atomic_dir, write_json
+from longctx.tracking import stage_run
+from longctx.train.models import base_model
+
+from . import _train
+from ._run import METRICS, PLOTS, main
+
+OUT = _train.MODELS / "base"
+
+
+def run(cfg: Config, root: Path) -> None:
+    """Train the base model at its short context window."""
+    stage = cfg.train.base
+    if stage is None:
+        with atomic_dir(OUT) as tmp:
+            write_json(tmp / "skipped.json", {"reason": f"train.pretrain.init is {cfg.train.pretrain.init}"})
+        METRICS.mkdir(exist_ok=True)
+        write_json(METRICS / "base.json", {"skipped": True})
+        print(f"base: skipped (pretrain starts from {cfg.train.pretrain.init})")
+        return
+    with stage_run(cfg.tracking, root, "base", _train.params(cfg, "base")) as tracker:
+        model = base_model(cfg.model, _train.vocab_size(), stage.seed)
+        summary = _train.fit("base", stage, model, "scratch", tracker, PLOTS / "train_base.csv")
+        with atomic_dir(OUT) as tmp:
+            _train.save(model, tmp, summary)
+        _train.write_metrics("base", summary)
+        print(f"base: train loss {summary['train_loss']:.4f}, val loss {summary['val_loss']:.4f}")
+
+
+if __name__ == "__main__":
+    main("base", run)

@@ -1,0 +1,50 @@
+"""DVC stage `pretrain`: long-context continued pretraining, one curriculum stage after the
+other (ProLong: 64K then 512K), each with its own LR schedule and RoPE setting: a base change,
+or LongRoPE factors (documents inside the original window keep the original RoPE)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from longctx.config import Config
+from longctx.io import atomic_dir
+from longctx.tracking import stage_run
+from longctx.train.models import load_model, longrope_factors, with_positions
+
+from . import _train
+from ._run import PLOTS, main
+
+OUT = _train.MODELS / "pretrain"
+
+
+def run(cfg: Config, root: Path) -> None:
+    """Continue training at each curriculum stage's length."""
+    p = cfg.train.pretrain
+    init = _train.MODELS / "base" if p.init == "base" else Path(p.init)
+    summaries = {}
+    with stage_run(cfg.tracking, root, "pretrain", _train.params(cfg, "pretrain")) as tracker, \
+            atomic_dir(OUT) as tmp:
+        model = load_model(init if p.init == "base" else p.init, cfg.model.attention_backend)
+        origin = f"{init}:{_train.fingerprint(init)}"
+        for stage in p.stages:
+            window = cfg.pack.splits[stage.split].seq_len
+            if p.factors:
+                rope = longrope_factors(p.factors, model)
+            elif model.cfg.rope is not None:
+                theta = stage.rope_theta or model.cfg.rope.theta
+                rope = model.cfg.rope.model_copy(update={"theta": theta})
+            else:
+                rope = None
+            model = with_positions(model, rope, max(window, model.cfg.max_position_embeddings))
+            summary = _train.fit(f"pretrain_{stage.split}", stage, model, origin, tracker,
+                                 PLOTS / "pretrain" / f"{stage.split}.csv")
+            _train.save(model, tmp / stage.split, summary)
+            # the next stage's run folder depends on these weights (runs name them by params)
+            origin = f"{origin}>{stage.model_dump_json()}"
+            summaries[stage.split] = summary
+            print(f"pretrain {stage.split}: train loss {summary['train_loss']:.4f}, val loss {summary['val_loss']:.4f}")
+    _train.write_metrics("pretrain", summaries)
+
+
+if __name__ == "__main__":
+    main("pretrain", run)
