@@ -55,8 +55,8 @@ def fit(name: str, stage: TrainStage, model: Transformer, init: str, tracker, pl
     train_data, val_data = split_data(stage, model)
     folder = run_folder(name, stage, model, init)
     tracker.text(str(folder), f"{name}_run_folder.txt")
-    last = train(model, train_data, TrainConfig(**stage.model_dump(exclude={"split", "val_sequences"})),
-                 folder, tracker)
+    loop_cfg = TrainConfig(**{k: v for k, v in stage.model_dump().items() if k in TrainConfig.model_fields})
+    last = train(model, train_data, loop_cfg, folder, tracker)
     val = mean_loss(model, val_data, stage.val_sequences, stage.loss_chunk)
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     plot.parent.mkdir(parents=True, exist_ok=True)
