@@ -44,8 +44,9 @@ def fingerprint(folder: Path) -> str:
 
 
 def run_folder(name: str, stage: TrainStage, model: Transformer, init: str) -> Path:
-    """A run resumes only into the folder of the same params, model and starting weights."""
-    key = json.dumps([stage.model_dump(mode="json"), model.cfg.model_dump(mode="json"), init], sort_keys=True)
+    """A run resumes only into the folder of the same params, model, starting weights and data."""
+    data = fingerprint(PACKED / stage.split / "train")
+    key = json.dumps([stage.model_dump(mode="json"), model.cfg.model_dump(mode="json"), init, data], sort_keys=True)
     return RUNS / name / hashlib.sha256(key.encode()).hexdigest()[:12]
 
 

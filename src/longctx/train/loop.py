@@ -147,6 +147,8 @@ def train(model: Transformer, data: PackedDataset, cfg: TrainConfig, out: Path, 
             checkpoint.save(ckpt_dir, step + 1, model, opt, {"samples_seen": (step + 1) * per_step},
                             cfg.keep_last)
     bar.close()
+    if not last and log_path.is_file():  # resumed a run that had already finished
+        last = json.loads(log_path.read_text().splitlines()[-1])
     return last
 
 
