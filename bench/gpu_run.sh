@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # On a CUDA machine without internet: install wheels carried in .whl/ (pure-Python deps the
-# GPU image lacks, e.g. pydantic), run the CUDA tests, then the model-step benchmark.
+# GPU image lacks, e.g. pydantic), run the CUDA tests, then the model-step and training
+# throughput benchmarks.
 # Logs and JSON go to $OUT (or bench/results).
 set -uo pipefail
 out=${OUT:-bench/results}
@@ -15,4 +16,6 @@ python3 -m pytest -q -p no:cacheprovider tests/test_gpu_attention.py tests/test_
   2>&1 | tee "$out/gpu_tests.log"
 tests=${PIPESTATUS[0]}
 python3 bench/model_step.py --out "$out" 2>&1 | tee "$out/model_step.log"
-exit $(( tests || PIPESTATUS[0] ))
+step=${PIPESTATUS[0]}
+python3 bench/train_throughput.py --out "$out" 2>&1 | tee "$out/train_throughput.log"
+exit $(( tests || step || PIPESTATUS[0] ))

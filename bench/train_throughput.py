@@ -1,0 +1,114 @@
+"""Training throughput on one GPU (issue 4): tokens/s and MFU of full optimizer steps (bf16
+autocast over fp32 weights, AdamW, chunked loss, as the training stages run) for the 125M and
+760M shapes, Llama-style and FoX (Pro), at 16K tokens; the FoX/Transformer ratio (FoX paper
+Table 6: 27k / 38k = 0.71 on 4 x L40S); and the longest single-document step the 760M shape fits
+with activation checkpointing.
+
+    python bench/train_throughput.py --out bench/results      # on a CUDA machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from longctx.model.config import PRESETS, FoxConfig, ModelConfig, RopeConfig  # noqa: E402
+from longctx.model.loss import chunked_cross_entropy, shift_labels  # noqa: E402
+from longctx.model.transformer import Transformer  # noqa: E402
+from longctx.train.loop import Batch, _peak_flops, step_flops  # noqa: E402
+from longctx.train.optim import adamw  # noqa: E402
+
+
+def build(shape: str, fox: bool, window: int) -> Transformer:
+    dims = dict(PRESETS[shape], max_position_embeddings=window)
+    cfg = ModelConfig(**dims, rope=None, fox=FoxConfig()) if fox else ModelConfig(**dims, rope=RopeConfig(theta=5e5))
+    torch.manual_seed(0)
+    return Transformer(cfg).cuda()
+
+
+def run_steps(model: Transformer, tokens: int, steps: int, checkpointing: bool) -> tuple[float, Batch]:
+    model.checkpoint_layers = checkpointing
+    opt = adamw(model, 1e-4, (0.9, 0.95), 0.1)
+    ids = torch.randint(0, model.cfg.vocab_size, (tokens,), device="cuda")
+    cu = torch.tensor([0, tokens], dtype=torch.int32, device="cuda")
+    batch = Batch(ids, cu, shift_labels(ids, cu), [0])
+    times = []
+    for i in range(steps + 2):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            hidden = model.hidden(ids, cu)
+        loss = chunked_cross_entropy(hidden, model.lm_head.weight, batch.labels) / tokens
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2], batch
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    args = parser.parse_args()
+    peak = _peak_flops(torch.device("cuda"))
+    rows = []
+    for shape in ("fox-125m", "fox-760m"):
+        for fox in (False, True):
+            model = build(shape, fox, 16384)
+            sec, batch = run_steps(model, 16384, 5, checkpointing=False)
+            flops = step_flops(model, batch)
+            rows.append({"shape": shape.removeprefix("fox-"), "model": "FoX (Pro)" if fox else "Transformer",
+                         "tokens": 16384, "step_ms": round(sec * 1e3, 1), "tokens_per_s": round(16384 / sec),
+                         "mfu": round(flops / sec / peak, 4) if peak else None,
+                         "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)})
+            print(rows[-1], flush=True)
+            del model
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+    ratios = {}
+    for shape in ("125m", "760m"):
+        t = next(r for r in rows if r["shape"] == shape and r["model"] == "Transformer")
+        f = next(r for r in rows if r["shape"] == shape and r["model"] == "FoX (Pro)")
+        ratios[shape] = round(f["tokens_per_s"] / t["tokens_per_s"], 3)
+    longest = {}
+    model = build("fox-760m", False, 1 << 20)
+    for tokens in (32768, 65536, 131072, 262144):
+        try:
+            run_steps(model, tokens, 1, checkpointing=True)
+            longest = {"tokens": tokens, "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)}
+            print("fits", longest, flush=True)
+        except torch.OutOfMemoryError:
+            break
+        finally:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+    print(f"\ntraining steps at 16K tokens, bf16 autocast, AdamW ({torch.cuda.get_device_name()})")
+    print(f"{'shape':<6} {'model':<12} {'ms/step':>9} {'tokens/s':>9} {'MFU':>7} {'peak GiB':>9}")
+    for r in rows:
+        print(f"{r['shape']:<6} {r['model']:<12} {r['step_ms']:>9} {r['tokens_per_s']:>9} {r['mfu'] or '-':>7} "
+              f"{r['peak_memory_gib']:>9}")
+    print(f"FoX/Transformer tokens/s: {ratios} (FoX paper Table 6: 0.71)")
+    print(f"longest 760M single-document step with activation checkpointing: {longest}")
+    result = {"benchmark": "train_throughput", "date": datetime.date.today().isoformat(),
+              "device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows,
+              "fox_over_transformer": ratios, "longest_760m_step": longest}
+    args.out.mkdir(parents=True, exist_ok=True)
+    name = torch.cuda.get_device_name().replace(" ", "-").lower()
+    path = args.out / f"train_throughput-{name}-{result['date']}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
