@@ -108,6 +108,22 @@ def test_backends_agree_on_the_whole_model():
         torch.testing.assert_close(fast(ids), ref(ids))
 
 
+@pytest.mark.parametrize("name", ["llama", "fox_pro"])
+def test_kernels_get_one_dtype_under_autocast(name, monkeypatch):
+    seen = []
+    original = attention.BACKENDS["sdpa"]
+
+    def spy(q, k, v, cu, log_f=None, scale=None):
+        seen.append((q.dtype, k.dtype, v.dtype))
+        return original(q, k, v, cu, log_f, scale)
+
+    monkeypatch.setitem(attention.BACKENDS, "sdpa", spy)
+    model = Transformer(CONFIGS[name], attention_backend="sdpa")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(torch.randint(0, 97, (2, 16)))
+    assert seen and all(d == (torch.bfloat16,) * 3 for d in seen)
+
+
 def test_chunked_loss_equals_the_plain_loss_and_its_gradients():
     torch.manual_seed(0)
     hidden = torch.randn(37, 16, dtype=torch.float64, requires_grad=True)

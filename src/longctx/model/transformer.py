@@ -98,6 +98,8 @@ class Attention(nn.Module):
         if ctx.cos is not None:
             q = rotate(q.transpose(0, 1), ctx.cos, ctx.sin).transpose(0, 1)
             k = rotate(k.transpose(0, 1), ctx.cos, ctx.sin).transpose(0, 1)
+        # one dtype for the kernels: under autocast, RoPE tables and norms come out in fp32
+        q, k = q.to(v.dtype), k.to(v.dtype)
         if cache is not None:
             o = cache.attend(q, k, v, log_f)
         else:
