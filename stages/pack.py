@@ -53,6 +53,9 @@ def run(cfg: Config, root: Path) -> None:
                                                                       for d, w in entry["requested"].items()), 4)}
                 for d, share in p["achieved"].items():
                     summary[f"{split}.{part}"][f"share.{d}"] = round(share, 5)
+                if p["outside_tolerance"]:
+                    print(f"pack: warning: {split}/{part} shares off the request by {p['outside_tolerance']} "
+                          "(a small validation part holds few whole chunks)")
         summary["tokens_per_s"] = manifest["tokens_per_s"]
         write_json(METRICS / "pack.json", summary)
         plot_proportions({s: e["parts"]["train"]["achieved"] for s, e in manifest["splits"].items()},
