@@ -60,6 +60,8 @@ def run_steps(model: Transformer, tokens: int, steps: int, checkpointing: bool) 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--max-tokens", type=int, default=131072,
+                        help="longest step to try for the 760M shape (each doubling costs ~4x the time)")
     args = parser.parse_args()
     peak = _peak_flops(torch.device("cuda"))
     rows = []
@@ -83,7 +85,7 @@ def main() -> None:
         ratios[shape] = round(f["tokens_per_s"] / t["tokens_per_s"], 3)
     longest = {}
     model = build("fox-760m", False, 1 << 20)
-    for tokens in (32768, 65536, 131072, 262144):
+    for tokens in (t for t in (32768, 65536, 131072, 262144, 524288) if t <= args.max_tokens):
         try:
             run_steps(model, tokens, 1, checkpointing=True)
             longest = {"tokens": tokens, "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)}
