@@ -12,8 +12,6 @@
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import sys
 import time
 from pathlib import Path
@@ -22,6 +20,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _results import write_result  # noqa: E402
 
 from longctx.model import attention  # noqa: E402
 from longctx.model.config import PRESETS, FoxConfig, ModelConfig  # noqa: E402
@@ -110,14 +111,7 @@ def main() -> None:
         print(f"{r['model']:<6} {r['backend']:<11} {r['tokens']:>7} {r.get('ms', '-'):>9} "
               f"{r.get('tokens_per_s', r.get('error', '')):>10}")
     print(f"peak memory of a 64K-token step: chunked loss {memory['chunked']} GiB, plain loss {memory['plain']} GiB")
-    result = {"benchmark": "model_step", "date": datetime.date.today().isoformat(),
-              "device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows,
-              "peak_memory_gib_64k": memory}
-    args.out.mkdir(parents=True, exist_ok=True)
-    name = torch.cuda.get_device_name().replace(" ", "-").lower()
-    path = args.out / f"model_step-{name}-{result['date']}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {path}")
+    write_result(args.out, "model_step", {"rows": rows, "peak_memory_gib_64k": memory})
 
 
 if __name__ == "__main__":

@@ -10,8 +10,6 @@ with activation checkpointing.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import sys
 import time
 from pathlib import Path
@@ -19,6 +17,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _results import write_result  # noqa: E402
 
 from longctx.model.config import PRESETS, FoxConfig, ModelConfig, RopeConfig  # noqa: E402
 from longctx.model.loss import chunked_cross_entropy, shift_labels  # noqa: E402
@@ -102,14 +103,8 @@ def main() -> None:
               f"{r['peak_memory_gib']:>9}")
     print(f"FoX/Transformer tokens/s: {ratios} (FoX paper Table 6: 0.71)")
     print(f"longest 760M single-document step with activation checkpointing: {longest}")
-    result = {"benchmark": "train_throughput", "date": datetime.date.today().isoformat(),
-              "device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows,
-              "fox_over_transformer": ratios, "longest_760m_step": longest}
-    args.out.mkdir(parents=True, exist_ok=True)
-    name = torch.cuda.get_device_name().replace(" ", "-").lower()
-    path = args.out / f"train_throughput-{name}-{result['date']}.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {path}")
+    write_result(args.out, "train_throughput",
+                 {"rows": rows, "fox_over_transformer": ratios, "longest_760m_step": longest})
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from pathlib import Path
 from longctx.config import Config, TrainConfig, TrainStage, flat
 from longctx.data.loader import PackedDataset
 from longctx.errors import DataError
-from longctx.io import read_json, write_json
+from longctx.io import atomic_dir, read_json, write_json
 from longctx.model.transformer import Transformer
 from longctx.train.loop import mean_loss, train
 from longctx.train.models import save_model
@@ -82,6 +82,14 @@ def save(model: Transformer, folder: Path, summary: dict) -> None:
 def write_metrics(name: str, summary: dict) -> None:
     METRICS.mkdir(exist_ok=True)
     write_json(METRICS / f"{name}.json", summary)
+
+
+def finish(name: str, model: Transformer, summary: dict, out: Path) -> None:
+    """Save a single-model stage's output atomically, its metrics, and say how it went."""
+    with atomic_dir(out) as tmp:
+        save(model, tmp, summary)
+    write_metrics(name, summary)
+    print(f"{name}: train loss {summary['train_loss']:.4f}, val loss {summary['val_loss']:.4f}")
 
 
 def params(cfg: Config, section: str) -> dict:

@@ -30,10 +30,7 @@ def run(cfg: Config, root: Path) -> None:
     with stage_run(cfg.tracking, root, "base", _train.params(cfg, "base")) as tracker:
         model = base_model(cfg.model, _train.vocab_size(), stage.seed)
         summary = _train.fit("base", stage, model, "scratch", tracker, PLOTS / "train_base.csv")
-        with atomic_dir(OUT) as tmp:
-            _train.save(model, tmp, summary)
-        _train.write_metrics("base", summary)
-        print(f"base: train loss {summary['train_loss']:.4f}, val loss {summary['val_loss']:.4f}")
+        _train.finish("base", model, summary, OUT)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from longctx.config import Config
-from longctx.io import atomic_dir
 from longctx.tracking import stage_run
 from longctx.train.models import load_model
 
@@ -22,10 +21,7 @@ def run(cfg: Config, root: Path) -> None:
         model = load_model(init, cfg.model.attention_backend)
         summary = _train.fit("sft", cfg.train.sft, model, f"{init}:{_train.fingerprint(init)}", tracker,
                              PLOTS / "train_sft.csv")
-        with atomic_dir(OUT) as tmp:
-            _train.save(model, tmp, summary)
-        _train.write_metrics("sft", summary)
-        print(f"sft: train loss {summary['train_loss']:.4f}, val loss {summary['val_loss']:.4f}")
+        _train.finish("sft", model, summary, OUT)
 
 
 if __name__ == "__main__":
