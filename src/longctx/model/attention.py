@@ -180,7 +180,6 @@ def flex(q, k, v, cu_seqlens, log_f=None, scale=None):
 
 BACKENDS: dict[str, AttentionFn] = {"reference": reference, "sdpa": sdpa, "flash_attn": flash_attn,
                                     "varlen": varlen, "flex": flex}
-CUDA_ONLY = {"flash_attn", "varlen", "flex"}
 
 
 def available(device: torch.device) -> list[str]:

@@ -102,10 +102,6 @@ class ModelConfig(BaseModel):
         return self.head_dim or self.d_model // self.n_heads
 
 
-def fox_pro(**shape) -> ModelConfig:
-    return ModelConfig(**shape, rope=None, fox=FoxConfig())
-
-
 PRESETS: dict[str, dict] = {
     # FoX paper shapes (Table 11 of the seed): heads of 64, SwiGLU, no RoPE for FoX.
     "fox-125m": dict(vocab_size=50277, d_model=768, n_layers=12, n_heads=12, ffn_dim=2048),
