@@ -20,12 +20,12 @@ OUT = _train.MODELS / "pretrain"
 def run(cfg: Config, root: Path) -> None:
     """Continue training at each curriculum stage's length."""
     p = cfg.train.pretrain
-    init = _train.MODELS / "base" if p.init == "base" else Path(p.init)
+    init = str(_train.MODELS / "base") if p.init == "base" else p.init  # a directory or a hub id
     summaries = {}
     with stage_run(cfg.tracking, root, "pretrain", _train.params(cfg, "pretrain")) as tracker, \
             atomic_dir(OUT) as tmp:
-        model = load_model(init if p.init == "base" else p.init, cfg.model.attention_backend)
-        origin = f"{init}:{_train.fingerprint(init)}"
+        model = load_model(init, cfg.model.attention_backend)
+        origin = f"{init}:{_train.fingerprint(Path(init))}"
         for stage in p.stages:
             window = cfg.pack.splits[stage.split].seq_len
             if p.factors:

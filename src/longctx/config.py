@@ -272,13 +272,12 @@ class Config(Strict):
             base = split.base_len
             if base > split.seq_len or split.seq_len % base:
                 raise ValueError(f"{where}.chunk_len: {base} must divide seq_len {split.seq_len}")
-            kinds = set()
-            for d in self.flat_mix(name):
-                kinds.add(domains[d].kind)
+            mix = self.flat_mix(name)
+            kinds = {domains[d].kind for d in mix}
             if "sft" in kinds and len(kinds) > 1:
                 raise ValueError(f"{where}.mix: sft domains cannot be mixed with {kinds - {'sft'}}")
             for d, shares in split.lengths.items():
-                if d not in self.flat_mix(name):
+                if d not in mix:
                     raise ValueError(f"{where}.lengths.{d}: not in this split's mix")
                 if domains[d].kind != "long":
                     raise ValueError(f"{where}.lengths.{d}: only long domains take lengths")
@@ -289,7 +288,7 @@ class Config(Strict):
                             f"{where}.lengths.{d}.{length}: must be positive and divide "
                             f"seq_len {split.seq_len}"
                         )
-            for d in self.flat_mix(name):
+            for d in mix:
                 if domains[d].kind == "long":
                     shortest = min(self.chunk_lengths(name, d))
                     if self.tokenize.long_min_tokens > shortest:
