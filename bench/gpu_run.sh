@@ -1,16 +1,11 @@
 #!/usr/bin/env bash
-# On a CUDA machine without internet: install wheels carried in .whl/ (pure-Python deps the
-# GPU image lacks, e.g. pydantic), run the CUDA tests, then the model-step and training
+# On a CUDA machine without internet: the CUDA tests, then the model-step and training
 # throughput benchmarks.
 # Logs and JSON go to $OUT (or bench/results).
 set -uo pipefail
 out=${OUT:-bench/results}
 mkdir -p "$out"
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH=$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+source bench/gpu_env.sh || exit 1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_attention.py tests/test_model.py tests/test_decode.py \
   2>&1 | tee "$out/gpu_tests.log"

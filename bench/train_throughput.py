@@ -22,9 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import write_result  # noqa: E402
 
 from longctx.model.config import PRESETS, FoxConfig, ModelConfig, RopeConfig  # noqa: E402
-from longctx.model.loss import chunked_cross_entropy, shift_labels  # noqa: E402
+from longctx.model.loss import shift_labels  # noqa: E402
 from longctx.model.transformer import Transformer  # noqa: E402
-from longctx.train.loop import Batch, _peak_flops, step_flops  # noqa: E402
+from longctx.train.loop import Batch, _peak_flops, flop_params, step_flops  # noqa: E402
 from longctx.train.optim import adamw  # noqa: E402
 
 
@@ -46,8 +46,7 @@ def run_steps(model: Transformer, tokens: int, steps: int, checkpointing: bool) 
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            hidden = model.hidden(ids, cu)
-        loss = chunked_cross_entropy(hidden, model.lm_head.weight, batch.labels) / tokens
+            loss = model(ids, cu, labels=batch.labels) / tokens
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -70,7 +69,7 @@ def main() -> None:
         for fox in (False, True):
             model = build(shape, fox, 16384)
             sec, batch = run_steps(model, 16384, 5, checkpointing=False)
-            flops = step_flops(model, batch)
+            flops = step_flops(model.cfg, flop_params(model), batch)
             rows.append({"shape": shape.removeprefix("fox-"), "model": "FoX (Pro)" if fox else "Transformer",
                          "tokens": 16384, "step_ms": round(sec * 1e3, 1), "tokens_per_s": round(16384 / sec),
                          "mfu": round(flops / sec / peak, 4) if peak else None,

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -18,17 +20,40 @@ METRICS = Path("metrics")
 PLOTS = Path("plots")
 
 
-def main(name: str, run: Callable[[config.Config, Path], None]) -> None:
-    """Parse --params, run the stage from the project root, turn user errors into exit code 2."""
+def main(name: str, run: Callable[[config.Config, Path], None],
+         trains: Callable[[config.Config], list] | None = None) -> None:
+    """Parse --params, run the stage from the project root, turn user errors into exit code 2.
+    A training stage (`trains` lists its training configs) with train.nproc > 1 checks that they
+    fit that many ranks, then starts itself again under torchrun, one process per GPU (gloo
+    processes on a CPU machine); rank 0 writes the outputs."""
     parser = argparse.ArgumentParser(prog=f"python -m stages.{name}", description=run.__doc__)
     parser.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
     args = parser.parse_args()
+    rank0 = os.environ.get("RANK", "0") == "0"
     try:
         cfg = config.load(args.params)
+        if trains and "RANK" not in os.environ and (n := _nproc(cfg.train.nproc)) > 1:
+            from longctx.train.parallel import check_layout
+
+            for i, stage in enumerate(trains(cfg)):
+                check_layout(stage, n, f"train.{name}.{'stages.' + str(i) + '.' if name == 'pretrain' else ''}")
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
+                   "-m", f"stages.{name}", "--params", args.params]
+            print(f"{name}: {n} processes: {' '.join(cmd[1:])}", file=sys.stderr)
+            sys.exit(subprocess.run(cmd).returncode)
         run(cfg, Path.cwd())
-    except LongctxError as e:
-        print(f"{name}: error: {e}", file=sys.stderr)
+    except LongctxError as e:  # every rank says it: the launcher may stop the others first
+        print(f"{name}: error{'' if rank0 else ' (rank ' + os.environ['RANK'] + ')'}: {e}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
-        print(f"{name}: interrupted; no outputs were changed", file=sys.stderr)
+        if rank0:
+            print(f"{name}: interrupted; no outputs were changed", file=sys.stderr)
         sys.exit(130)
+
+
+def _nproc(value: int | str) -> int:
+    if value != "auto":
+        return int(value)
+    import torch
+
+    return max(1, torch.cuda.device_count())

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import hashlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 from longctx.config import Config, TrainConfig, TrainStage, flat
@@ -12,8 +14,10 @@ from longctx.data.loader import PackedDataset
 from longctx.errors import DataError
 from longctx.io import atomic_dir, read_json, write_json
 from longctx.model.transformer import Transformer
+from longctx.tracking import Tracker, stage_run
 from longctx.train.loop import mean_loss, train
 from longctx.train.models import save_model
+from longctx.train.parallel import Parallel, unshard, with_sequence_parallel
 
 from ._run import METRICS, PACKED, TOKENS
 
@@ -50,27 +54,43 @@ def run_folder(name: str, stage: TrainStage, model: Transformer, init: str) -> P
     return RUNS / name / hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
-def fit(name: str, stage: TrainStage, model: Transformer, init: str, tracker, plot: Path) -> dict:
-    """Train one stage (resuming if a run of it was interrupted); write its loss curve to `plot`
-    (CSV, a DVC plot); return its summary."""
+@contextlib.contextmanager
+def tracked(cfg: Config, root: Path, name: str, par: Parallel) -> Iterator[Tracker]:
+    """The stage's MLflow run on the main rank; a tracker that records nothing on the others."""
+    if not par.main:
+        yield Tracker()
+        return
+    with stage_run(cfg.tracking, root, name, params(cfg, name)) as tracker:
+        yield tracker
+
+
+def fit(name: str, stage: TrainStage, model: Transformer, init: str, tracker, plot: Path,
+        par: Parallel) -> tuple[Transformer, dict]:
+    """Train one stage (resuming if a run of it was interrupted) on every rank; write its loss
+    curve to `plot` (CSV, a DVC plot); return the trained model, whole on every rank, and its
+    summary."""
     train_data, val_data = split_data(stage, model)
     folder = run_folder(name, stage, model, init)
     tracker.text(str(folder), f"{name}_run_folder.txt")
+    par = with_sequence_parallel(par, stage.sequence_parallel, model.cfg.n_heads)
     loop_cfg = TrainConfig(**{k: v for k, v in stage.model_dump().items() if k in TrainConfig.model_fields})
-    last = train(model, train_data, loop_cfg, folder, tracker)
-    val = mean_loss(model, val_data, stage.val_sequences, stage.loss_chunk)
+    last = train(model, train_data, loop_cfg, folder, tracker, par=par)
+    val = mean_loss(model, val_data, stage.val_sequences, stage.loss_chunk, par)
+    model = unshard(model, par)
+    par.barrier()  # the main rank's metrics.jsonl is complete
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
-    plot.parent.mkdir(parents=True, exist_ok=True)
-    with plot.open("w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=["step", "loss", "lr", "grad_norm", "tokens_per_s"],
-                                extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(rows)
     summary = {"train_loss": last["loss"], "val_loss": val, "steps": stage.steps,
                "tokens_per_s": sum(r["tokens_per_s"] for r in rows[-10:]) / len(rows[-10:])}
-    tracker.metrics({f"final.{k}": v for k, v in summary.items()})
-    tracker.artifact(plot)
-    return summary
+    if par.main:
+        plot.parent.mkdir(parents=True, exist_ok=True)
+        with plot.open("w", newline="") as fh:
+            writer = csv.DictWriter(fh, fieldnames=["step", "loss", "lr", "grad_norm", "tokens_per_s"],
+                                    extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows(rows)
+        tracker.metrics({f"final.{k}": v for k, v in summary.items()})
+        tracker.artifact(plot)
+    return model, summary
 
 
 def save(model: Transformer, folder: Path, summary: dict) -> None:
@@ -84,8 +104,10 @@ def write_metrics(name: str, summary: dict) -> None:
     write_json(METRICS / f"{name}.json", summary)
 
 
-def finish(name: str, model: Transformer, summary: dict, out: Path) -> None:
-    """Save a single-model stage's output atomically, its metrics, and say how it went."""
+def finish(name: str, model: Transformer, summary: dict, out: Path, par: Parallel) -> None:
+    """Save a single-model stage's output atomically (main rank), its metrics, and say how it went."""
+    if not par.main:
+        return
     with atomic_dir(out) as tmp:
         save(model, tmp, summary)
     write_metrics(name, summary)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from longctx.config import Config
 from longctx.io import atomic_dir, write_json
-from longctx.tracking import stage_run
+from longctx.train import parallel
 from longctx.train.models import base_model
 
 from . import _train
@@ -27,11 +27,13 @@ def run(cfg: Config, root: Path) -> None:
         write_json(METRICS / "base.json", {"skipped": True})
         print(f"base: skipped (pretrain starts from {cfg.train.pretrain.init})")
         return
-    with stage_run(cfg.tracking, root, "base", _train.params(cfg, "base")) as tracker:
-        model = base_model(cfg.model, _train.vocab_size(), stage.seed)
-        summary = _train.fit("base", stage, model, "scratch", tracker, PLOTS / "train_base.csv")
-        _train.finish("base", model, summary, OUT)
+    par = parallel.init()
+    with _train.tracked(cfg, root, "base", par) as tracker:
+        model = base_model(cfg.model, _train.vocab_size(), stage.seed).to(par.device)
+        model, summary = _train.fit("base", stage, model, "scratch", tracker, PLOTS / "train_base.csv", par)
+        _train.finish("base", model, summary, OUT, par)
+    parallel.close()
 
 
 if __name__ == "__main__":
-    main("base", run)
+    main("base", run, trains=lambda cfg: [cfg.train.base] if cfg.train.base else [])

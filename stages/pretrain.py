@@ -4,11 +4,12 @@ or LongRoPE factors (documents inside the original window keep the original RoPE
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 from longctx.config import Config
 from longctx.io import atomic_dir
-from longctx.tracking import stage_run
+from longctx.train import parallel
 from longctx.train.models import load_model, longrope_factors, with_positions
 
 from . import _train
@@ -22,9 +23,10 @@ def run(cfg: Config, root: Path) -> None:
     p = cfg.train.pretrain
     init = str(_train.MODELS / "base") if p.init == "base" else p.init  # a directory or a hub id
     summaries = {}
-    with stage_run(cfg.tracking, root, "pretrain", _train.params(cfg, "pretrain")) as tracker, \
-            atomic_dir(OUT) as tmp:
-        model = load_model(init, cfg.model.attention_backend)
+    par = parallel.init()
+    with _train.tracked(cfg, root, "pretrain", par) as tracker, \
+            (atomic_dir(OUT) if par.main else contextlib.nullcontext()) as tmp:
+        model = load_model(init, cfg.model.attention_backend).to(par.device)
         origin = f"{init}:{_train.fingerprint(Path(init))}"
         for stage in p.stages:
             window = cfg.pack.splits[stage.split].seq_len
@@ -36,15 +38,19 @@ def run(cfg: Config, root: Path) -> None:
             else:
                 rope = None
             model = with_positions(model, rope, max(window, model.cfg.max_position_embeddings))
-            summary = _train.fit(f"pretrain_{stage.split}", stage, model, origin, tracker,
-                                 PLOTS / "pretrain" / f"{stage.split}.csv")
-            _train.save(model, tmp / stage.split, summary)
+            model, summary = _train.fit(f"pretrain_{stage.split}", stage, model, origin, tracker,
+                                        PLOTS / "pretrain" / f"{stage.split}.csv", par)
             # the next stage's run folder depends on these weights (runs name them by params)
             origin = f"{origin}>{stage.model_dump_json()}"
             summaries[stage.split] = summary
-            print(f"pretrain {stage.split}: train loss {summary['train_loss']:.4f}, val loss {summary['val_loss']:.4f}")
-    _train.write_metrics("pretrain", summaries)
+            if par.main:
+                _train.save(model, tmp / stage.split, summary)
+                print(f"pretrain {stage.split}: train loss {summary['train_loss']:.4f}, "
+                      f"val loss {summary['val_loss']:.4f}")
+    if par.main:
+        _train.write_metrics("pretrain", summaries)
+    parallel.close()
 
 
 if __name__ == "__main__":
-    main("pretrain", run)
+    main("pretrain", run, trains=lambda cfg: cfg.train.pretrain.stages)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from longctx.config import Config
-from longctx.tracking import stage_run
+from longctx.train import parallel
 from longctx.train.models import load_model
 
 from . import _train
@@ -17,12 +17,14 @@ OUT = _train.MODELS / "sft"
 def run(cfg: Config, root: Path) -> None:
     """Fine-tune the last pretraining stage's model on instructions."""
     init = _train.MODELS / "pretrain" / cfg.train.pretrain.stages[-1].split
-    with stage_run(cfg.tracking, root, "sft", _train.params(cfg, "sft")) as tracker:
-        model = load_model(init, cfg.model.attention_backend)
-        summary = _train.fit("sft", cfg.train.sft, model, f"{init}:{_train.fingerprint(init)}", tracker,
-                             PLOTS / "train_sft.csv")
-        _train.finish("sft", model, summary, OUT)
+    par = parallel.init()
+    with _train.tracked(cfg, root, "sft", par) as tracker:
+        model = load_model(init, cfg.model.attention_backend).to(par.device)
+        model, summary = _train.fit("sft", cfg.train.sft, model, f"{init}:{_train.fingerprint(init)}", tracker,
+                                    PLOTS / "train_sft.csv", par)
+        _train.finish("sft", model, summary, OUT, par)
+    parallel.close()
 
 
 if __name__ == "__main__":
-    main("sft", run)
+    main("sft", run, trains=lambda cfg: [cfg.train.sft])

@@ -203,6 +203,8 @@ class TrainConfig(Strict):
     keep_last: PositiveInt = 2
     loss_chunk: PositiveInt = 2048
     activation_checkpointing: bool = False
+    sequence_parallel: PositiveInt = 1
+    """Ranks that share each sequence (Ulysses); must divide the world size and the heads."""
 
 
 class TrainStage(TrainConfig):
@@ -232,6 +234,9 @@ class TrainParams(Strict):
     pretrained checkpoint."""
     pretrain: PretrainParams
     sft: TrainStage
+    nproc: PositiveInt | Literal["auto"] = 1
+    """Training processes on this machine (torchrun, one per GPU); "auto": one per visible GPU.
+    Not a recipe parameter: the global batch is the same for any count."""
 
 
 # ---------------------------------------------------------------- tracking

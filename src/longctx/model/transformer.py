@@ -11,12 +11,14 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
-from . import attention
+from . import attention, ulysses
 from .config import ModelConfig
+from .loss import chunked_cross_entropy
 from .rope import cos_sin, depends_on_length, inverse_frequencies, rotate
 
 
@@ -34,7 +36,9 @@ class RMSNorm(nn.Module):
 
 class ShiftLinear(nn.Module):
     """FoX (Pro) KV-shift: y_t = a_t * W x_{t-1} + (1 - a_t) * W x_t, a_t = sigmoid(w . x_t) per
-    head; at a document start the previous token is taken as zero."""
+    head; at a document start the previous token is taken as zero. Split in a per-token part
+    (`project`) and a per-head part over the whole sequence (`mix`), so that under sequence
+    parallelism the shift runs after the exchange and never needs a neighbour rank's token."""
 
     def __init__(self, d_model: int, heads: int, head_dim: int):
         super().__init__()
@@ -42,14 +46,17 @@ class ShiftLinear(nn.Module):
         self.alpha = nn.Linear(d_model, heads, bias=False)
         self.heads, self.head_dim = heads, head_dim
 
-    def forward(self, x: torch.Tensor, doc_start: torch.Tensor,
-                before: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W x [N, heads, head_dim], a [N, heads, 1])."""
+        return self.proj(x).view(-1, self.heads, self.head_dim), torch.sigmoid(self.alpha(x)).unsqueeze(-1)
+
+    @staticmethod
+    def mix(y: torch.Tensor, a: torch.Tensor, doc_start: torch.Tensor,
+            before: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(shifted [N, heads, head_dim], W x of the last token). `before` is W x of the token
-        preceding x[0] (decoding with a cache), else zero."""
-        y = self.proj(x).view(-1, self.heads, self.head_dim)
+        preceding y[0] (decoding with a cache), else zero."""
         first = torch.zeros_like(y[:1]) if before is None else before[None]
         prev = torch.cat((first, y[:-1]), dim=0).masked_fill(doc_start[:, None, None], 0.0)
-        a = torch.sigmoid(self.alpha(x)).unsqueeze(-1)
         return a * prev + (1 - a) * y, y[-1]
 
 
@@ -81,20 +88,28 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: Context) -> torch.Tensor:
         n = x.shape[0]
         cache = ctx.cache[self.index] if ctx.cache is not None else None
+        shift = self.fox is not None and self.fox.kv_shift
         q = self.q_proj(x).view(n, self.h, self.d)
-        if self.fox and self.fox.kv_shift:
-            k, k_last = self.k_shift(x, ctx.doc_start, cache.k_before if cache else None)
-            v, v_last = self.v_shift(x, ctx.doc_start, cache.v_before if cache else None)
-            if cache:
-                cache.k_before, cache.v_before = k_last, v_last
+        if shift:
+            (k, k_gate), (v, v_gate) = self.k_shift.project(x), self.v_shift.project(x)
         else:
             k = self.k_proj(x).view(n, self.hk, self.d)
             v = self.v_proj(x).view(n, self.hk, self.d)
-        log_f = None
-        if self.fox:
-            log_f = F.logsigmoid(self.fgate(x).float())
-            if self.fox.qk_norm:
-                q, k = self.q_norm(q), self.k_norm(k)
+            k_gate = v_gate = None
+        log_f = F.logsigmoid(self.fgate(x).float()) if self.fox else None
+        if ctx.sp_group is not None:
+            # from here to the output: every token of the document(s), 1/sp of the heads
+            if self.hk % dist.get_world_size(ctx.sp_group):
+                k, v, k_gate, v_gate = (_repeat_heads(t, self.h // self.hk) for t in (k, v, k_gate, v_gate))
+            q, k, v, log_f, k_gate, v_gate = (None if t is None else ulysses.seq_to_heads(t, ctx.sp_group)
+                                              for t in (q, k, v, log_f, k_gate, v_gate))
+        if shift:
+            k, k_last = self.k_shift.mix(k, k_gate, ctx.doc_start, cache.k_before if cache else None)
+            v, v_last = self.v_shift.mix(v, v_gate, ctx.doc_start, cache.v_before if cache else None)
+            if cache:
+                cache.k_before, cache.v_before = k_last, v_last
+        if self.fox and self.fox.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         if ctx.cos is not None:
             q = rotate(q.transpose(0, 1), ctx.cos, ctx.sin).transpose(0, 1)
             k = rotate(k.transpose(0, 1), ctx.cos, ctx.sin).transpose(0, 1)
@@ -106,10 +121,16 @@ class Attention(nn.Module):
             o = ctx.attend(q, k, v, ctx.cu_seqlens, log_f)
         if self.fox and self.fox.output_norm:
             o = self.o_norm(o)
-        o = o.reshape(n, self.h * self.d)
+        o = ulysses.heads_to_seq(o, ctx.sp_group).reshape(n, self.h * self.d)
         if self.fox and self.fox.output_gate:
             o = o * torch.sigmoid(self.ogate(x))
         return self.o_proj(o)
+
+
+def _repeat_heads(t: torch.Tensor | None, times: int) -> torch.Tensor | None:
+    """Grouped KV heads repeated to one per query head (when the group size does not divide
+    the sequence-parallel size)."""
+    return None if t is None else t.repeat_interleave(times, dim=1)
 
 
 class MLP(nn.Module):
@@ -138,10 +159,12 @@ class Block(nn.Module):
 
 class Context:
     """What every layer of one forward pass shares: boundaries, rotary tables, the backend, and
-    when decoding, the per-layer caches (a cache holds one document)."""
+    when decoding, the per-layer caches (a cache holds one document). Boundaries, tables and
+    document starts cover all n tokens, also under sequence parallelism (`sp_group`)."""
 
-    def __init__(self, cu_seqlens: torch.Tensor, n: int, cos, sin, attend, cache=None):
+    def __init__(self, cu_seqlens: torch.Tensor, n: int, cos, sin, attend, cache=None, sp_group=None):
         self.cu_seqlens = cu_seqlens
+        self.sp_group = sp_group
         self.cos, self.sin = cos, sin
         self.attend = attend
         self.cache = cache
@@ -213,12 +236,16 @@ class Transformer(nn.Module):
         return cos[None], sin[None]
 
     def hidden(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
-               position_ids: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+               position_ids: torch.Tensor | None = None, cache=None, sp_group=None) -> torch.Tensor:
         """Final hidden states [N, d_model] for packed ids [N] (or a batch [B, T], flattened).
-        With a `decode.Cache`, ids continue the single document the cache holds."""
+        With a `decode.Cache`, ids continue the single document the cache holds. With a
+        sequence-parallel group, every rank passes the whole micro-batch and gets the hidden
+        states of its own slice, `ulysses.bounds(N, sp_group)`."""
         ids = input_ids.reshape(-1)
         n = ids.numel()
         if cache is not None:
+            if sp_group is not None:
+                raise ValueError("decoding with a cache runs without sequence parallelism")
             cu_seqlens = torch.tensor([0, n], dtype=torch.int32, device=ids.device)
             position_ids = torch.arange(cache.length, cache.length + n, device=ids.device)
         if cu_seqlens is None:
@@ -227,10 +254,11 @@ class Transformer(nn.Module):
         if position_ids is None:
             position_ids = (packed_positions(cu_seqlens, n) if self.cfg.reset_position_ids
                             else torch.arange(n, device=ids.device) % input_ids.shape[-1])
-        x = self.embed_tokens(ids)
+        lo, hi = ulysses.bounds(n, sp_group)
+        x = self.embed_tokens(ids[lo:hi])
         cos, sin = self.rotary(position_ids.reshape(-1), cu_seqlens, x.dtype)
         attend = attention.select(self.attention_backend, x.device, self.cfg.fox is not None)
-        ctx = Context(cu_seqlens, n, cos, sin, attend, cache)
+        ctx = Context(cu_seqlens, n, cos, sin, attend, cache, sp_group)
         for layer in self.layers:
             if self.checkpoint_layers and cache is None and torch.is_grad_enabled():
                 x = torch.utils.checkpoint.checkpoint(layer, x, ctx, use_reentrant=False)
@@ -241,6 +269,13 @@ class Transformer(nn.Module):
         return self.norm(x)
 
     def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, cache=None) -> torch.Tensor:
-        """Logits [N, vocab] (use `hidden` + a chunked loss to train at long context)."""
-        return self.lm_head(self.hidden(input_ids, cu_seqlens, position_ids, cache))
+                position_ids: torch.Tensor | None = None, cache=None, sp_group=None,
+                labels: torch.Tensor | None = None, loss_chunk: int = 2048) -> torch.Tensor:
+        """Logits [N, vocab]; or, given labels [N] (IGNORE where no loss), the summed next-token
+        loss of this rank's tokens, computed in chunks so N x vocab logits never exist. The loss
+        goes through forward (not `hidden` + the head outside) so that FSDP gathers the head."""
+        hidden = self.hidden(input_ids, cu_seqlens, position_ids, cache, sp_group)
+        if labels is None:
+            return self.lm_head(hidden)
+        lo, hi = ulysses.bounds(labels.numel(), sp_group)
+        return chunked_cross_entropy(hidden, self.lm_head.weight, labels.reshape(-1)[lo:hi], loss_chunk)

@@ -2,7 +2,8 @@
 safetensors, everything else (step, data position, hyperparameters) in JSON.
 
 <dir>/step-00000100/ is written as a temp directory and renamed when complete, so a run killed
-mid-save leaves the previous checkpoint as the latest.
+mid-save leaves the previous checkpoint as the latest. Weights and optimizer state are stored
+whole and keyed by parameter name, so a run sharded over 8 ranks resumes on 2, or on one.
 """
 
 from __future__ import annotations
@@ -16,6 +17,13 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from ..errors import DataError
 from ..io import atomic_dir
@@ -23,26 +31,38 @@ from ..io import atomic_dir
 NAME = re.compile(r"^step-(\d{8})$")
 
 
-def _optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
-    sd = opt.state_dict()
+_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def _tied(model: torch.nn.Module) -> bool:
+    return getattr(model, "cfg", None) is not None and model.cfg.tie_embeddings
+
+
+def _optimizer_tensors(model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
+    """Optimizer state keyed by parameter name (the same for a sharded and a plain model)."""
+    sd = get_optimizer_state_dict(model, opt, options=_FULL)
     tensors = {}
-    for idx, state in sd["state"].items():
+    for fqn, state in sd.get("state", {}).items():
         for name, value in state.items():
             t = value if torch.is_tensor(value) else torch.tensor(value)
-            tensors[f"state.{idx}.{name}"] = t.detach().cpu().contiguous()
-    groups = [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()} for g in sd["param_groups"]]
+            tensors[f"state.{fqn}.{name}"] = t.detach().cpu().contiguous()
+    groups = [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()} for g in sd.get("param_groups", [])]
     return tensors, {"param_groups": groups}
 
 
 def save(root: Path, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer, state: dict[str, Any],
-         keep_last: int = 2) -> Path:
+         keep_last: int = 2, main: bool = True) -> Path:
+    """Every rank calls it (gathering a sharded model is collective); the main rank writes."""
     final = root / f"step-{step:08d}"
+    weights = get_model_state_dict(model, options=_FULL)
+    tensors, meta = _optimizer_tensors(model, opt)
+    if not main:
+        return final
     with atomic_dir(final) as tmp:
-        weights = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-        if getattr(model, "cfg", None) is not None and model.cfg.tie_embeddings:
+        weights = {k: v.detach().cpu().contiguous() for k, v in weights.items()}
+        if _tied(model):
             weights.pop("lm_head.weight", None)
         save_file(weights, str(tmp / "model.safetensors"))
-        tensors, meta = _optimizer_tensors(opt)
         save_file(tensors, str(tmp / "optimizer.safetensors"))
         rng = {"torch": torch.get_rng_state()}
         if torch.cuda.is_available():
@@ -69,30 +89,32 @@ def latest(root: Path) -> Path | None:
 
 
 def load(folder: Path, model: torch.nn.Module, opt: torch.optim.Optimizer | None) -> dict:
-    """Restore weights, optimizer and RNG states; return the trainer state (step, data position...)."""
+    """Restore weights, optimizer and RNG states (every rank reads the files and keeps its shard);
+    return the trainer state (step, data position...)."""
     try:
         doc = json.loads((folder / "trainer_state.json").read_text())
         weights = load_file(str(folder / "model.safetensors"))
     except Exception as e:  # a missing file, bad JSON, or safetensors' own error types
         raise DataError(f"{folder}: unreadable checkpoint: {e}") from None
-    if getattr(model, "cfg", None) is not None and model.cfg.tie_embeddings:
+    if _tied(model):
         weights["lm_head.weight"] = weights["embed_tokens.weight"]
-    own = model.state_dict()
-    bad = sorted(k for k in own if k not in weights or weights[k].shape != own[k].shape)
+    own = {k: v.shape for k, v in model.state_dict().items()}
+    bad = sorted(k for k in own if k not in weights or weights[k].shape != own[k])
     if bad or set(weights) - set(own):
         raise DataError(f"{folder}: checkpoint does not fit the model (first mismatches: {bad[:3]})")
-    model.load_state_dict(weights)
+    set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True))
     if opt is not None:
         tensors = load_file(str(folder / "optimizer.safetensors"))
-        state: dict[int, dict] = {}
+        state: dict[str, dict] = {}
         for key, t in tensors.items():
-            _, idx, name = key.split(".", 2)
-            state.setdefault(int(idx), {})[name] = t
+            fqn, name = key.removeprefix("state.").rsplit(".", 1)
+            state.setdefault(fqn, {})[name] = t
         groups = doc["optimizer"]["param_groups"]
         for g in groups:
             if "betas" in g:
                 g["betas"] = tuple(g["betas"])
-        opt.load_state_dict({"state": state, "param_groups": groups})
+        set_optimizer_state_dict(model, opt, {"state": state, "param_groups": groups},
+                                 options=StateDictOptions(full_state_dict=True))
     rng = load_file(str(folder / "rng.safetensors"))
     torch.set_rng_state(rng["torch"])
     cuda = [rng[k] for k in sorted(k for k in rng if k.startswith("cuda."))]

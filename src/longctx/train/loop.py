@@ -1,9 +1,11 @@
 """The training loop shared by the base, pretrain and SFT stages.
 
-One optimizer step = `grad_accum` micro-batches of `micro_batch` packed sequences. The loss is
-the exact mean over every valid token of the step (not a mean of micro-batch means), which is
-what SFT needs when valid tokens per micro-batch vary widely. The data order is a pure function
-of (seed, step), so a resumed run sees exactly the batches an uninterrupted one would.
+One optimizer step = `grad_accum` micro-batches of `micro_batch` packed sequences, dealt over
+the data-parallel replicas (the global batch does not depend on the number of GPUs). The loss
+is the exact mean over every valid token of the step, on all ranks (not a mean of micro-batch
+means), which is what SFT needs when valid tokens per micro-batch vary widely. The data order
+is a pure function of (seed, step), so a resumed run sees exactly the batches an uninterrupted
+one would; within a step, sequences are ordered by attention cost (ProLong's reordering).
 """
 
 from __future__ import annotations
@@ -16,16 +18,20 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
 from ..config import TrainConfig
 from ..data.loader import PackedDataset
 from ..errors import LongctxError
-from ..model.loss import IGNORE, chunked_cross_entropy, shift_labels
+from ..model.config import ModelConfig
+from ..model.loss import IGNORE, shift_labels
 from ..model.transformer import Transformer
+from ..model.ulysses import bounds
 from . import checkpoint
 from .optim import adamw, lr_at
+from .parallel import Parallel, check_layout, shard, with_sequence_parallel
 
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12}
 
@@ -52,7 +58,28 @@ def sample_indices(step: int, per_step: int, n: int, seed: int) -> list[int]:
     return [int(_epoch_order(n, seed, g // n)[g % n]) for g in range(step * per_step, (step + 1) * per_step)]
 
 
-def make_batch(data: PackedDataset, samples: list[int], device: torch.device) -> Batch:
+def attention_cost(data: PackedDataset, i: int) -> int:
+    """The sum of squared document lengths of a sequence: what its attention costs."""
+    lengths = np.diff(data[i].cu_seqlens.astype(np.int64))
+    return int((lengths**2).sum())
+
+
+def schedule(samples: list[int], costs: list[int], micro_batch: int, dp: int) -> list[list[list[int]]]:
+    """Each data-parallel rank's micro-batches for one step. The step's sequences are sorted by
+    attention cost and dealt so that the micro-batches ranks run side by side cost about the
+    same (ProLong sorts the minibatches of a step by the sum of squared document lengths)."""
+    ranked = [s for _, _, s in sorted(zip(costs, range(len(samples)), samples, strict=True))]
+    per_rank: list[list[list[int]]] = [[] for _ in range(dp)]
+    slot = micro_batch * dp
+    for start in range(0, len(ranked), slot):
+        for r in range(dp):
+            per_rank[r].append(ranked[start + r * micro_batch:start + (r + 1) * micro_batch])
+    return per_rank
+
+
+def make_batch(data: PackedDataset, samples: list[int], device: torch.device, multiple: int = 1) -> Batch:
+    """Packed sequences back to back; padded with one masked filler document to a multiple of
+    `multiple` tokens (sequence parallelism splits the tokens evenly)."""
     ids, cus, labels = [], [], []
     offset = 0
     for i in samples:
@@ -64,14 +91,24 @@ def make_batch(data: PackedDataset, samples: list[int], device: torch.device) ->
         ids.append(t)
         cus.append(cu[:-1] + offset)
         offset += t.numel()
+    if pad := -offset % multiple:
+        ids.append(torch.zeros(pad, dtype=torch.int64))
+        labels.append(torch.full((pad,), IGNORE, dtype=torch.int64))
+        cus.append(torch.tensor([offset]))
+        offset += pad
     cu_all = torch.cat([*cus, torch.tensor([offset])]).to(torch.int32)
     return Batch(torch.cat(ids).to(device), cu_all.to(device), torch.cat(labels).to(device), samples)
 
 
-def step_flops(model: Transformer, batch: Batch) -> float:
-    """Model FLOPs of a forward+backward: 6 per parameter per token, plus causal attention."""
-    cfg = model.cfg
-    params = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
+def flop_params(model: torch.nn.Module) -> int:
+    """Parameters that cost 6 FLOPs per token (the embedding lookup is free; a tied head is
+    counted through lm_head)."""
+    return sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
+
+
+def step_flops(cfg: ModelConfig, params: int, batch: Batch) -> float:
+    """Model FLOPs of a forward+backward: 6 per (non-embedding) parameter per token, plus causal
+    attention."""
     lengths = (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).double()
     attn = 6 * cfg.n_layers * cfg.n_heads * cfg.dim_head * float((lengths**2).sum())
     return 6 * params * batch.ids.numel() + attn
@@ -85,46 +122,59 @@ def _peak_flops(device: torch.device) -> float | None:
 
 
 def train(model: Transformer, data: PackedDataset, cfg: TrainConfig, out: Path, tracker=None,
-          resume: bool = True) -> dict:
+          resume: bool = True, par: Parallel | None = None) -> dict:
     """Train for cfg.steps optimizer steps; checkpoints under out/checkpoints, one JSON line of
-    metrics per step in out/metrics.jsonl. Resumes from the latest checkpoint when there is one."""
-    device = next(model.parameters()).device
-    opt = adamw(model, cfg.lr, cfg.betas, cfg.weight_decay)
+    metrics per step in out/metrics.jsonl. Resumes from the latest checkpoint when there is one.
+    Distributed (`par`), the model is sharded in place (`parallel.unshard` gives it back whole)
+    and every rank calls this; only the main rank writes files and logs."""
+    par = with_sequence_parallel(par or Parallel(device=next(model.parameters()).device),
+                                 cfg.sequence_parallel, model.cfg.n_heads)
+    check_layout(cfg, par.world)
+    device = par.device
     model.checkpoint_layers = cfg.activation_checkpointing
+    shard(model, par)
+    opt = adamw(model, cfg.lr, cfg.betas, cfg.weight_decay)
     ckpt_dir = out / "checkpoints"
     log_path = out / "metrics.jsonl"
     start = 0
     found = checkpoint.latest(ckpt_dir) if resume else None
     if found is not None:
         start = checkpoint.load(found, model, opt)["step"]
-    out.mkdir(parents=True, exist_ok=True)
-    _truncate_log(log_path, start)
+    par.barrier()  # every rank has read the checkpoint before the main rank may write the next
+    if par.main:
+        out.mkdir(parents=True, exist_ok=True)
+        _truncate_log(log_path, start)
     per_step = cfg.micro_batch * cfg.grad_accum
+    flops_params = flop_params(model)
     peak = _peak_flops(device)
     last = {}
-    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="train", unit="step")
+    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="train", unit="step",
+               disable=not par.main)
     for step in bar:
         t0 = time.perf_counter()
         samples = sample_indices(step, per_step, len(data), cfg.seed)
-        micro = [make_batch(data, samples[i:i + cfg.micro_batch], device)
-                 for i in range(0, per_step, cfg.micro_batch)]
-        valid = sum(int((b.labels != IGNORE).sum()) for b in micro)
+        costs = [attention_cost(data, i) for i in samples]
+        mine = schedule(samples, costs, cfg.micro_batch, par.dp)[par.dp_rank]
+        micro = [make_batch(data, ids, device, par.sp) for ids in mine]
+        valid = int(par.sum(sum(_local_valid(b, par) for b in micro)))
         lr = lr_at(step, cfg.steps, cfg.lr, cfg.warmup, cfg.lr_min)
         for g in opt.param_groups:
             g["lr"] = lr
         total = 0.0
         for b in micro:
             with _autocast(device):
-                hidden = model.hidden(b.ids, b.cu_seqlens)
-            loss = chunked_cross_entropy(hidden, model.lm_head.weight, b.labels, cfg.loss_chunk) / max(valid, 1)
-            if not torch.isfinite(loss):
-                docs = [data.provenance(i) for i in b.samples]
-                raise TrainingDiverged(f"step {step}: loss is {loss.item()}; no checkpoint written for it (last "
-                                       f"good: {checkpoint.latest(ckpt_dir)}); sequences {b.samples}, documents "
-                                       f"{json.dumps(docs)[:2000]}")
+                loss = model(b.ids, b.cu_seqlens, sp_group=par.sp_group, labels=b.labels,
+                             loss_chunk=cfg.loss_chunk) / max(valid, 1)
             loss.backward()
             total += loss.item()
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip))
+        total = par.sum(total)
+        if not math.isfinite(total):
+            docs = [data.provenance(i) for i in samples]
+            raise TrainingDiverged(f"step {step}: loss is {total}; no checkpoint written for it (last good: "
+                                   f"{checkpoint.latest(ckpt_dir)}); sequences {samples}, documents "
+                                   f"{json.dumps(docs)[:2000]}")
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
+        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
         if not math.isfinite(grad_norm):
             raise TrainingDiverged(f"step {step}: gradient norm is {grad_norm}; no checkpoint written for it")
         opt.step()
@@ -132,38 +182,49 @@ def train(model: Transformer, data: PackedDataset, cfg: TrainConfig, out: Path, 
         if device.type == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
-        tokens = sum(b.ids.numel() for b in micro)
+        tokens = int(par.sum(sum(b.ids.numel() for b in micro))) // par.sp
         last = {"step": step + 1, "loss": total, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
-                "valid_tokens": valid, "tokens_per_s": tokens / seconds}
+                "valid_tokens": valid, "tokens_per_s": tokens / seconds,
+                "tokens_per_s_per_rank": tokens / seconds / par.world}
         if peak:
-            last["mfu"] = sum(step_flops(model, b) for b in micro) / seconds / peak
+            flops = par.sum(sum(step_flops(model.cfg, flops_params, b) for b in micro)) / par.sp
+            last["mfu"] = flops / seconds / peak / par.world
             last["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-        with log_path.open("a") as fh:
-            fh.write(json.dumps(last) + "\n")
-        if tracker is not None:
-            tracker.metrics({k: v for k, v in last.items() if k != "step"}, step=step + 1)
+        if par.main:
+            with log_path.open("a") as fh:
+                fh.write(json.dumps(last) + "\n")
+            if tracker is not None:
+                tracker.metrics({k: v for k, v in last.items() if k != "step"}, step=step + 1)
         bar.set_postfix(loss=f"{total:.4f}", lr=f"{lr:.2e}")
         if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
             checkpoint.save(ckpt_dir, step + 1, model, opt, {"samples_seen": (step + 1) * per_step},
-                            cfg.keep_last)
+                            cfg.keep_last, main=par.main)
+            par.barrier()
     bar.close()
     if not last and log_path.is_file():  # resumed a run that had already finished
         last = json.loads(log_path.read_text().splitlines()[-1])
     return last
 
 
+def _local_valid(b: Batch, par: Parallel) -> int:
+    """Valid labels in this rank's slice of a micro-batch."""
+    lo, hi = bounds(b.labels.numel(), par.sp_group)
+    return int((b.labels[lo:hi] != IGNORE).sum())
+
+
 @torch.no_grad()
-def mean_loss(model: Transformer, data: PackedDataset, sequences: int, loss_chunk: int = 2048) -> float:
-    """Mean next-token loss over the valid tokens of the first `sequences` sequences."""
-    device = next(model.parameters()).device
+def mean_loss(model: Transformer, data: PackedDataset, sequences: int, loss_chunk: int = 2048,
+              par: Parallel | None = None) -> float:
+    """Mean next-token loss over the valid tokens of the first `sequences` sequences (spread over
+    the data-parallel replicas; the result is the same on every rank)."""
+    par = par or Parallel(device=next(model.parameters()).device)
     total, valid = 0.0, 0
-    for i in range(min(sequences, len(data))):
-        b = make_batch(data, [i], device)
-        with _autocast(device):
-            hidden = model.hidden(b.ids, b.cu_seqlens)
-        total += float(chunked_cross_entropy(hidden, model.lm_head.weight, b.labels, loss_chunk))
-        valid += int((b.labels != IGNORE).sum())
-    return total / max(valid, 1)
+    for i in range(par.dp_rank, min(sequences, len(data)), par.dp):
+        b = make_batch(data, [i], par.device, par.sp)
+        with _autocast(par.device):
+            total += float(model(b.ids, b.cu_seqlens, sp_group=par.sp_group, labels=b.labels, loss_chunk=loss_chunk))
+        valid += _local_valid(b, par)
+    return par.sum(total) / max(par.sum(valid), 1)
 
 
 def _truncate_log(path: Path, step: int) -> None:

@@ -1,0 +1,148 @@
+"""Distributed training: FSDP2 over all ranks, Ulysses sequence parallelism inside groups.
+
+A world of W ranks is split into W / sp data-parallel replicas of `sp` consecutive ranks. The
+ranks of one sequence-parallel group read the same micro-batch and each embed 1/sp of its
+tokens; around attention an all-to-all trades that token split for a head split (every rank
+then holds every token of 1/sp of the heads), and back after it (models/transformer.py).
+FSDP2 shards parameters and optimizer state over all W ranks; gradients are summed, not
+averaged, because every rank's loss is already divided by the step's global valid-token count.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..errors import ConfigError
+from ..model.transformer import Transformer
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """This process's place: rank in the world, its data-parallel replica and sequence slice."""
+
+    rank: int = 0
+    world: int = 1
+    sp: int = 1
+    sp_group: dist.ProcessGroup | None = None
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def distributed(self) -> bool:
+        return self.world > 1
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def dp(self) -> int:
+        return self.world // self.sp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.sp
+
+    @property
+    def sp_rank(self) -> int:
+        return self.rank % self.sp
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+    def sum(self, value: float | int) -> float:
+        """The sum of a number over all ranks (every rank gets it)."""
+        if not self.distributed:
+            return value
+        t = torch.tensor([float(value)], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return float(t.item())
+
+
+def launched() -> bool:
+    """Whether this process was started by torchrun (or any launcher setting the env vars)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def init() -> Parallel:
+    """Join the process group torchrun set up (NCCL on GPUs, gloo on CPU); a single process
+    without torchrun. Each rank takes the GPU of its local rank."""
+    if not launched() or int(os.environ["WORLD_SIZE"]) == 1:
+        return Parallel(device=torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30), device_id=device
+                                if device.type == "cuda" else None)
+    return Parallel(rank=dist.get_rank(), world=dist.get_world_size(), device=device)
+
+
+def check_layout(cfg, world: int, where: str = "") -> None:
+    """That a training config's batch and sequence parallelism fit `world` ranks (before any
+    process starts, and again in the loop)."""
+    sp = cfg.sequence_parallel
+    if world % sp:
+        raise ConfigError(f"{where}sequence_parallel: {sp} does not divide the world size {world}")
+    if cfg.grad_accum % (world // sp):
+        raise ConfigError(f"{where}grad_accum: {cfg.grad_accum} micro-batches per step do not divide over "
+                          f"{world // sp} data-parallel replicas ({world} ranks / sequence_parallel {sp})")
+
+
+def with_sequence_parallel(par: Parallel, sp: int, n_heads: int) -> Parallel:
+    """The same process with sequence-parallel groups of `sp` consecutive ranks."""
+    if sp == par.sp:
+        return par
+    if par.world % sp:
+        raise ConfigError(f"sequence_parallel: {sp} does not divide the world size {par.world}")
+    if n_heads % sp:
+        raise ConfigError(f"sequence_parallel: {sp} does not divide the model's {n_heads} attention heads")
+    group = None
+    if sp > 1:
+        group, _ = dist.new_subgroups(group_size=sp)
+    return Parallel(rank=par.rank, world=par.world, sp=sp, sp_group=group, device=par.device)
+
+
+def shard(model: Transformer, par: Parallel) -> Transformer:
+    """FSDP2 over all ranks: one unit per transformer block, the rest (embeddings, final norm,
+    head) in the root unit. A no-op for a single process."""
+    if not par.distributed:
+        return model
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(par.device.type, (par.world,))
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    for unit in (*model.layers, model):
+        unit.set_gradient_divide_factor(1.0)  # sum: each rank's loss is pre-divided by the global count
+        unit.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no pre-multiplied sum)
+    return model
+
+
+def unshard(model: Transformer, par: Parallel) -> Transformer:
+    """The trained weights as a plain (unsharded) model on every rank, for saving or the next
+    curriculum stage (a collective when sharded; the model passed in is spent)."""
+    if not par.distributed:
+        return model
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    whole = Transformer(model.cfg, model.attention_backend).to(par.device)
+    whole.load_state_dict(state)
+    whole.checkpoint_layers = model.checkpoint_layers
+    return whole
+
+
+def close() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

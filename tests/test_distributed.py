@@ -1,0 +1,127 @@
+"""Distributed training on CPU with gloo and 2 real processes (torchrun): FSDP2 data parallelism
+and Ulysses sequence parallelism give the single-process losses, gradients and weights."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import REPO
+from longctx.data.loader import PackedDataset
+from longctx.model.loss import IGNORE
+from longctx.train.loop import attention_cost, make_batch, schedule
+
+RUNS = {"llama": ["single", "dp2", "sp2"], "fox": ["single", "sp2"]}
+
+
+def launch(data: Path, out: Path, arch: str, mode: str) -> Path:
+    env = {**os.environ, "PYTHONPATH": f"{REPO / 'src'}{os.pathsep}{REPO / 'tests'}", "OMP_NUM_THREADS": "1"}
+    worker = str(REPO / "tests" / "dist_worker.py")
+    sp = "2" if mode == "sp2" else "1"
+    if mode == "single":
+        cmd = [sys.executable, worker]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", worker]
+    folder = out / f"{arch}-{mode}"
+    proc = subprocess.run([*cmd, str(data), str(folder), arch, sp], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return folder
+
+
+@pytest.fixture(scope="module")
+def runs(small_project, tmp_path_factory) -> dict[tuple[str, str], Path]:
+    data = small_project / "data/packed/stage1/train"
+    out = tmp_path_factory.mktemp("dist")
+    return {(arch, mode): launch(data, out, arch, mode) for arch, modes in RUNS.items() for mode in modes}
+
+
+def losses(folder: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (folder / "run" / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize(("arch", "mode"), [(a, m) for a, ms in RUNS.items() for m in ms if m != "single"])
+def test_two_ranks_match_one_process(runs, arch, mode):
+    one, two = runs[(arch, "single")], runs[(arch, mode)]
+    assert json.loads((two / "loss.json").read_text()) == pytest.approx(json.loads((one / "loss.json").read_text()),
+                                                                         rel=1e-6)
+    g1, g2 = load_file(str(one / "grads.safetensors")), load_file(str(two / "grads.safetensors"))
+    assert g1.keys() == g2.keys()
+    for name in g1:
+        assert g1[name].abs().max() > 0, f"{name}: no gradient"
+        torch.testing.assert_close(g2[name], g1[name], rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
+    assert losses(two) == pytest.approx(losses(one), rel=1e-6) and len(losses(one)) == 3
+    # FSDP2's sharded optimizer took the same steps: the final (gathered) weights agree
+    w1 = load_file(str(one / "run/checkpoints/step-00000003/model.safetensors"))
+    w2 = load_file(str(two / "run/checkpoints/step-00000003/model.safetensors"))
+    for name in w1:
+        # Adam normalizes tiny gradient differences up to a fraction of the step size (lr 3e-3)
+        torch.testing.assert_close(w2[name], w1[name], rtol=1e-4, atol=3e-5)
+
+
+def test_schedule_deals_sorted_costs_to_ranks():
+    samples = [10, 11, 12, 13, 14, 15, 16, 17]
+    costs = [5, 90, 1, 70, 30, 8, 60, 2]
+    per_rank = schedule(samples, costs, micro_batch=1, dp=2)
+    # sorted by cost: 12(1) 17(2) 10(5) 15(8) 14(30) 16(60) 13(70) 11(90); ranks take pairs side by side
+    assert per_rank == [[[12], [10], [14], [13]], [[17], [15], [16], [11]]]
+    cost = dict(zip(samples, costs, strict=True))
+    # micro-batches run at the same time differ less than in the unsorted order
+    sorted_gap = sum(abs(cost[a[0]] - cost[b[0]]) for a, b in zip(*per_rank, strict=True))
+    plain_gap = sum(abs(costs[i] - costs[i + 1]) for i in range(0, 8, 2))
+    assert sorted_gap < plain_gap
+    assert sorted(s for r in per_rank for mb in r for s in mb) == samples
+
+
+def test_batch_is_padded_for_sequence_parallelism(small_project):
+    data = PackedDataset(small_project / "data/packed/stage1/train")
+    b = make_batch(data, [0], torch.device("cpu"), multiple=3)
+    n = len(data[0].input_ids)
+    assert b.ids.numel() % 3 == 0 and b.ids.numel() - n == -n % 3
+    assert int(b.cu_seqlens[-1]) == b.ids.numel()
+    assert (b.labels[n:] == IGNORE).all()
+    assert attention_cost(data, 0) == int(((data[0].cu_seqlens[1:] - data[0].cu_seqlens[:-1]).astype("int64") ** 2).sum())
+
+
+def stage(project: Path, name: str, overrides: dict) -> subprocess.CompletedProcess:
+    import yaml
+
+    (project / "params.yaml").write_text(yaml.safe_dump(overrides, sort_keys=False))
+    env = {**os.environ, "PYTHONPATH": f"{REPO / 'src'}{os.pathsep}{REPO}", "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", f"stages.{name}"], cwd=project, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_base_stage_launches_itself_on_two_processes(project_copy):
+    from conftest import SMALL
+
+    params = {**SMALL, "tracking": {"uri": f"sqlite:///{project_copy / 'mlflow.db'}"}}
+    base = {**SMALL["train"]["base"], "micro_batch": 1, "grad_accum": 3}
+    two = {**params, "train": {**SMALL["train"], "base": base, "nproc": 2}}
+    refused = stage(project_copy, "base", two)
+    assert refused.returncode != 0
+    assert "train.base.grad_accum: 3 micro-batches per step do not divide over 2 data-parallel replicas" in refused.stderr
+    assert "processes" not in refused.stderr  # refused before starting any
+    assert not (project_copy / "models/base").exists()
+
+    base["grad_accum"] = 2
+    done = stage(project_copy, "base", two)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "2 processes" in done.stderr
+    two_ranks = json.loads((project_copy / "metrics/base.json").read_text())
+    shutil.rmtree(project_copy / "models/base")
+    shutil.rmtree(project_copy / "runs")
+    one = stage(project_copy, "base", {**two, "train": {**two["train"], "nproc": 1}})
+    assert one.returncode == 0, one.stderr[-3000:]
+    one_rank = json.loads((project_copy / "metrics/base.json").read_text())
+    assert two_ranks["train_loss"] == pytest.approx(one_rank["train_loss"], rel=1e-5)
+    assert two_ranks["val_loss"] == pytest.approx(one_rank["val_loss"], rel=1e-5)
+    assert (project_copy / "models/base/longctx_config.json").is_file()
