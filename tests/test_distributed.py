@@ -23,7 +23,8 @@ RUNS = {"llama": ["single", "dp2", "sp2"], "fox": ["single", "sp2"]}
 
 
 def launch(data: Path, out: Path, arch: str, mode: str) -> Path:
-    env = {**os.environ, "PYTHONPATH": f"{REPO / 'src'}{os.pathsep}{REPO / 'tests'}", "OMP_NUM_THREADS": "1"}
+    path = os.pathsep.join(filter(None, [str(REPO / "src"), str(REPO / "tests"), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
     worker = str(REPO / "tests" / "dist_worker.py")
     sp = "2" if mode == "sp2" else "1"
     if mode == "single":
@@ -38,8 +39,10 @@ def launch(data: Path, out: Path, arch: str, mode: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def runs(small_project, tmp_path_factory) -> dict[tuple[str, str], Path]:
-    data = small_project / "data/packed/stage1/train"
+def runs(request, tmp_path_factory) -> dict[tuple[str, str], Path]:
+    # LONGCTX_PACKED: a packed split made elsewhere (GPU machines without the data stages' deps)
+    data = Path(os.environ.get("LONGCTX_PACKED") or
+                request.getfixturevalue("small_project") / "data/packed/stage1/train")
     out = tmp_path_factory.mktemp("dist")
     return {(arch, mode): launch(data, out, arch, mode) for arch, modes in RUNS.items() for mode in modes}
 
