@@ -8,7 +8,8 @@ import contextlib
 from pathlib import Path
 
 from longctx.config import Config
-from longctx.io import atomic_dir
+from longctx.errors import DataError
+from longctx.io import atomic_dir, read_json
 from longctx.train import parallel
 from longctx.train.models import load_model, longrope_factors, with_positions
 
@@ -16,6 +17,17 @@ from . import _train
 from ._run import PLOTS, main
 
 OUT = _train.MODELS / "pretrain"
+
+
+def searched_factors(init: str) -> Path:
+    """rope_search's factors, checked to be searched on the model pretraining starts from."""
+    path = _train.MODELS / "rope_search" / "factors.json"
+    if not path.is_file():
+        raise DataError(f"{path}: not found (train.pretrain.factors is 'search': run the rope_search stage)")
+    on = read_json(path, "searched RoPE factors").get("searched_on")
+    if on != init:
+        raise DataError(f"{path}: searched on {on}, but pretraining starts from {init}; rerun rope_search")
+    return path
 
 
 def run(cfg: Config, root: Path) -> None:
@@ -31,7 +43,7 @@ def run(cfg: Config, root: Path) -> None:
         for stage in p.stages:
             window = cfg.pack.splits[stage.split].seq_len
             if p.factors:
-                rope = longrope_factors(p.factors, model)
+                rope = longrope_factors(searched_factors(init) if p.factors == "search" else p.factors, model)
             elif model.cfg.rope is not None:
                 theta = stage.rope_theta or model.cfg.rope.theta
                 rope = model.cfg.rope.model_copy(update={"theta": theta})

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -38,6 +40,7 @@ SMALL = {
         "sft": {"seq_len": 512},
     }},
     "model": {"d_model": 32, "n_layers": 2, "n_heads": 4, "ffn_dim": 64, "max_position_embeddings": 256},
+    "rope_search": {"target_length": 512, "population": 6, "generations": 2, "sequences": 2, "table_sequences": 2},
     "train": {
         "base": {"steps": 4, "micro_batch": 2, "val_sequences": 4, "checkpoint_every": 2},
         "pretrain": {"stages": [
@@ -52,6 +55,15 @@ def write_params(folder: Path, overrides: dict) -> Path:
     path = folder / "params.yaml"
     path.write_text(yaml.safe_dump(overrides, sort_keys=False))
     return path
+
+
+def stage_process(project: Path, name: str, overrides: dict) -> subprocess.CompletedProcess:
+    """`python -m stages.<name>` in a project folder with these params, as a user runs it."""
+    write_params(project, overrides)
+    path = os.pathsep.join(filter(None, [str(REPO / "src"), str(REPO), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", f"stages.{name}"], cwd=project, env=env, capture_output=True,
+                          text=True, timeout=600)
 
 
 def run_stages(folder: Path, names: list[str], overrides: dict | None = None) -> None:

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO
+from conftest import REPO, stage_process
 from longctx.data.loader import PackedDataset
 from longctx.model.loss import IGNORE
 from longctx.train.loop import attention_cost, make_batch, schedule
@@ -97,35 +97,26 @@ def test_batch_is_padded_for_sequence_parallelism(small_project):
     assert attention_cost(data, 0) == int(((data[0].cu_seqlens[1:] - data[0].cu_seqlens[:-1]).astype("int64") ** 2).sum())
 
 
-def stage(project: Path, name: str, overrides: dict) -> subprocess.CompletedProcess:
-    import yaml
-
-    (project / "params.yaml").write_text(yaml.safe_dump(overrides, sort_keys=False))
-    env = {**os.environ, "PYTHONPATH": f"{REPO / 'src'}{os.pathsep}{REPO}", "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", f"stages.{name}"], cwd=project, env=env, capture_output=True,
-                          text=True, timeout=600)
-
-
 def test_base_stage_launches_itself_on_two_processes(project_copy):
     from conftest import SMALL
 
     params = {**SMALL, "tracking": {"uri": f"sqlite:///{project_copy / 'mlflow.db'}"}}
     base = {**SMALL["train"]["base"], "micro_batch": 1, "grad_accum": 3}
     two = {**params, "train": {**SMALL["train"], "base": base, "nproc": 2}}
-    refused = stage(project_copy, "base", two)
+    refused = stage_process(project_copy, "base", two)
     assert refused.returncode != 0
     assert "train.base.grad_accum: 3 micro-batches per step do not divide over 2 data-parallel replicas" in refused.stderr
     assert "processes" not in refused.stderr  # refused before starting any
     assert not (project_copy / "models/base").exists()
 
     base["grad_accum"] = 2
-    done = stage(project_copy, "base", two)
+    done = stage_process(project_copy, "base", two)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "2 processes" in done.stderr
     two_ranks = json.loads((project_copy / "metrics/base.json").read_text())
     shutil.rmtree(project_copy / "models/base")
     shutil.rmtree(project_copy / "runs")
-    one = stage(project_copy, "base", {**two, "train": {**two["train"], "nproc": 1}})
+    one = stage_process(project_copy, "base", {**two, "train": {**two["train"], "nproc": 1}})
     assert one.returncode == 0, one.stderr[-3000:]
     one_rank = json.loads((project_copy / "metrics/base.json").read_text())
     assert two_ranks["train_loss"] == pytest.approx(one_rank["train_loss"], rel=1e-5)

@@ -47,7 +47,7 @@ def workspace(tmp_path_factory) -> tuple[Path, dict]:
 def test_dvc_repro_runs_the_stages_and_tracks_them(workspace):
     ws, env = workspace
     out = sh(["dvc", "repro"], ws, env)
-    for stage in ("corpora", "tokenize", "pack", "base", "pretrain", "sft"):
+    for stage in ("corpora", "tokenize", "pack", "base", "rope_search", "pretrain", "sft"):
         assert f"Running stage '{stage}'" in out
     assert (ws / "data/packed/stage1/train/tokens.bin").stat().st_size > 0
     assert json.loads((ws / "metrics/pack.json").read_text())["stage1.train"]["sequences"] > 0
@@ -58,7 +58,7 @@ def test_dvc_repro_runs_the_stages_and_tracks_them(workspace):
     client = MlflowClient(tracking_uri=f"sqlite:///{ws / 'mlflow.db'}")
     exp = client.get_experiment_by_name("longctx")
     runs = {r.info.run_name: r for r in client.search_runs([exp.experiment_id])}
-    assert set(runs) == {"corpora", "tokenize", "pack", "base", "pretrain", "sft"}
+    assert set(runs) == {"corpora", "tokenize", "pack", "base", "rope_search", "pretrain", "sft"}
     assert all(r.info.status == "FINISHED" for r in runs.values())
     assert runs["pack"].data.params["pack.seed"] == "0"
     assert runs["pack"].data.metrics["tokens_per_s"] > 0
@@ -75,6 +75,34 @@ def test_dvc_repro_runs_the_stages_and_tracks_them(workspace):
     hf = json.loads((ws / "models/sft/hf/config.json").read_text())
     assert hf["rope_theta"] == 2560000.0 and (ws / "models/sft/hf/tokenizer.json").is_file()
     assert json.loads((ws / "metrics/sft.json").read_text())["steps"] == 2
+    # rope_search: every method on the same sequences, at the original window and the target
+    search = json.loads((ws / "metrics/rope_search.json").read_text())
+    methods = {"original", "pi", "ntk", "yarn", "base_change", "longrope2"}
+    assert {(r["method"], r["length"]) for r in search["table"]} == {(m, n) for m in methods for n in (256, 512)}
+    assert search["summary"]["critical_index_theory"] == 2 and search["summary"]["generations"] == 2  # head 8, 256
+    factors = json.loads((ws / "models/rope_search/factors.json").read_text())
+    assert factors["rope_type"] == "longrope" and len(factors["long_factor"]) == 4
+    assert min(factors["long_factor"][search["summary"]["critical_index_searched"]:]) >= 2.0  # >= s
+    assert len(client.get_metric_history(runs["rope_search"].info.run_id, "search.best_needle_nll")) == 3
+    assert {"rope_factors.png", "table.csv"} <= {a.path for a in client.list_artifacts(runs["rope_search"].info.run_id)}
+
+
+def test_pretrain_takes_the_searched_factors(workspace):
+    ws, env = workspace
+    params = yaml.safe_load((ws / "params.yaml").read_text())
+    params["train"]["pretrain"]["factors"] = "search"
+    (ws / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    out = sh(["dvc", "repro"], ws, env)
+    assert "Running stage 'pretrain'" in out and "Running stage 'rope_search'" not in out
+    searched = json.loads((ws / "models/rope_search/factors.json").read_text())
+    rope = json.loads((ws / "models/pretrain/stage2/longctx_config.json").read_text())["model"]["rope"]
+    assert rope["type"] == "longrope" and rope["long_factor"] == searched["long_factor"]
+    assert rope["original_max_position_embeddings"] == 256
+    hf = json.loads((ws / "models/sft/hf/config.json").read_text())
+    assert (hf.get("rope_scaling") or hf.get("rope_parameters"))["long_factor"] == searched["long_factor"]
+    params["train"]["pretrain"].pop("factors")
+    (ws / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    sh(["dvc", "repro"], ws, env)  # back to the base change (from DVC's run cache)
 
 
 def test_a_pack_param_reruns_pack_alone(workspace):

@@ -223,8 +223,9 @@ class PretrainParams(Strict):
     init: str = "base"
     """"base" (the base stage's model) or an HF checkpoint directory."""
     factors: str | None = None
-    """A LongRoPE factors JSON (HF longrope form, from rope_search): replaces the base change;
-    documents within the original window keep the original RoPE (mixed context window)."""
+    """A LongRoPE factors JSON (HF longrope form), or "search" for the rope_search stage's output.
+    Replaces the base change; documents within the original window keep the original RoPE (mixed
+    context window)."""
     stages: list[PretrainStage] = Field(min_length=1)
 
 
@@ -237,6 +238,48 @@ class TrainParams(Strict):
     nproc: PositiveInt | Literal["auto"] = 1
     """Training processes on this machine (torchrun, one per GPU); "auto": one per visible GPU.
     Not a recipe parameter: the global batch is the same for any count."""
+
+
+# ---------------------------------------------------------------- rope_search
+
+
+class RopeSearchConfig(Strict):
+    """LongRoPE2's factor search (the `rope_search` stage), run on the model pretrain starts from."""
+
+    enabled: bool = True
+    """false: the stage records that it was skipped (FoX models have no RoPE and skip it too)."""
+    target_length: PositiveInt | None = None
+    """L, the length the factors are for; default 4 x the original window."""
+    original_window: PositiveInt | None = None
+    """L_train; default the model's max_position_embeddings."""
+    split: str | None = None
+    """Packed split whose validation part gives the long documents; default the split with the
+    shortest sequences that still reach the target length."""
+    sequences: PositiveInt = 8
+    """Needle sequences the fitness is computed on."""
+    table_sequences: PositiveInt = 16
+    """Needle / plain sequences per length in the method table (other documents than the fitness')."""
+    lengths: list[PositiveInt] = []
+    """Extra lengths for the table besides the original window and the target."""
+    needle_depth: float = Field(default=0.05, ge=0, le=0.5)
+    """Where the needle goes, as a fraction of the haystack ("near the start")."""
+    population: int = Field(default=64, ge=4)
+    generations: int = Field(default=40, ge=0)
+    mutation: float = Field(default=0.3, ge=0, le=1)
+    crossover: float = Field(default=0.5, ge=0, le=1)
+    keep: float = Field(default=0.5, gt=0, lt=1)
+    factor_max: float = Field(default=2.0, ge=1)
+    """Upper bound of searched factors, in units of s = target / original window."""
+    critical_max: Literal["theory", "all"] = "theory"
+    """Highest candidate for the real critical frequency: the theoretical one (the paper), or
+    any up to the last (for models whose critical frequencies sit above the theory)."""
+    search_attention: bool = False
+    """Also try attention factor 1.0 beside LongRoPE2's sqrt(1 + ln s / ln L_train)."""
+    seed: int = 0
+    max_evaluations: PositiveInt | None = None
+    max_seconds: float | None = Field(default=None, gt=0)
+    batch_tokens: PositiveInt = 32768
+    """Tokens per forward when scoring."""
 
 
 # ---------------------------------------------------------------- tracking
@@ -259,6 +302,7 @@ class Config(Strict):
     pack: PackConfig
     model: ModelParams
     train: TrainParams
+    rope_search: RopeSearchConfig = RopeSearchConfig()
     tracking: TrackingConfig = TrackingConfig()
 
     @model_validator(mode="after")
@@ -308,6 +352,12 @@ class Config(Strict):
         for where, stage in stages:
             if stage.split not in self.pack.splits:
                 raise ValueError(f"{where}.split: {stage.split!r} is not a pack split ({sorted(self.pack.splits)})")
+        rs = self.rope_search
+        if rs.split is not None and rs.split not in self.pack.splits:
+            raise ValueError(f"rope_search.split: {rs.split!r} is not a pack split ({sorted(self.pack.splits)})")
+        if rs.target_length and rs.original_window and rs.target_length <= rs.original_window:
+            raise ValueError(f"rope_search.target_length: {rs.target_length} must exceed the original window "
+                             f"{rs.original_window}")
         return self
 
     def flat_mix(self, split: str) -> dict[str, float]:

@@ -1,0 +1,1 @@
+"""Evaluation: needle sequences, long-context tasks, perplexity by position and length."""

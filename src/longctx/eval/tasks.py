@@ -1,0 +1,291 @@
+"""Seeded, offline long-context tasks in the RULER / HELMET formats, built at a token length.
+
+Every task returns `Prompt`s: a long context, a question after it, the text the answer starts
+with, the gold answers and the metric of its source:
+  substring  the (single) gold string appears in the output (HELMET's substring exact match)
+  all        the fraction of gold strings that appear in the output (RULER's string_match_all;
+             1.0 means all gold present)
+  accuracy   the output's first integer equals the gold label (HELMET ICL)
+Lengths are in tokens of the evaluated model's tokenizer: the filler (noise sentences, real
+validation text, JSON pairs, list words, demonstrations) grows until the prompt reaches it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+NOISE = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ")
+WORDS = ["amber", "basin", "cedar", "delta", "ember", "fable", "garnet", "harbor", "iris", "jasper", "kelp",
+         "lumen", "maple", "nectar", "onyx", "pebble", "quill", "raven", "sable", "thistle", "umber", "vale",
+         "willow", "xenon", "yarrow", "zephyr", "acorn", "birch", "clover", "dune", "egret", "fjord", "grove",
+         "heron", "inlet", "juniper", "knoll", "lotus", "marsh", "nimbus", "orchid", "prairie", "quartz",
+         "ridge", "spruce", "tundra", "upland", "violet", "wren", "yew"]
+
+
+@dataclass(frozen=True)
+class Prompt:
+    task: str
+    length: int
+    context: str
+    question: str
+    answer_prefix: str
+    gold: list[str]
+    metric: str
+    max_new_tokens: int
+    meta: dict = field(default_factory=dict)
+
+    def text(self) -> str:
+        """The prompt as a base model reads it."""
+        return f"{self.context}\n\n{self.question}\n{self.answer_prefix}"
+
+
+def score(prompt: Prompt, output: str) -> float:
+    if prompt.metric == "substring":
+        return float(prompt.gold[0] in output)
+    if prompt.metric == "all":
+        return sum(g in output for g in prompt.gold) / len(prompt.gold)
+    found = re.search(r"-?\d+", output)
+    return float(found is not None and found.group() == prompt.gold[0])
+
+
+# ---------------------------------------------------------------- filling to a token length
+
+
+class Budget:
+    """Counts tokens of text pieces with the model's tokenizer (encode_texts-like callable)."""
+
+    def __init__(self, count: Callable[[str], int], length: int):
+        self.count, self.length = count, length
+
+    def fill(self, fixed: str, pieces: Callable[[int], list[str]], start: int = 8) -> list[str]:
+        """The most pieces (pieces(n) gives the first n) such that fixed + pieces fit the length;
+        doubling then bisection, a handful of tokenizer calls."""
+        room = self.length - self.count(fixed)
+        if room <= 0:
+            return []
+        lo, hi = 0, start
+        while self.count("".join(pieces(hi))) <= room:
+            lo, hi = hi, hi * 2
+            if hi > 1_000_000:
+                break
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if self.count("".join(pieces(mid))) <= room:
+                lo = mid
+            else:
+                hi = mid
+        return pieces(lo)
+
+
+def _insert(sentences: list[str], inserts: list[str], depths: list[float]) -> str:
+    out = list(sentences)
+    for text, depth in sorted(zip(inserts, depths, strict=True), key=lambda x: -x[1]):
+        out.insert(int(round(depth * len(out))), text)
+    return "".join(out)
+
+
+def _sentences(text: str) -> list[str]:
+    return [s for s in re.split(r"(?<=[.!?\n])", text) if s]
+
+
+def _number(rng: np.random.Generator) -> str:
+    return str(int(rng.integers(1_000_000, 10_000_000)))
+
+
+def _key(rng: np.random.Generator, taken: set[str]) -> str:
+    while True:
+        k = f"{WORDS[int(rng.integers(len(WORDS)))]}-{WORDS[int(rng.integers(len(WORDS)))]}"
+        if k not in taken:
+            taken.add(k)
+            return k
+
+
+# ---------------------------------------------------------------- NIAH family (RULER)
+
+
+def niah(budget: Budget, rng: np.random.Generator, depth: float, haystack: str, *, keys: int = 1,
+         values: int = 1, queries: int = 1, distractors: int = 0, name: str = "niah_single") -> Prompt:
+    """Needles "One of the special magic numbers for {key} is: {value}." in a haystack of noise
+    or real text; multi-key adds distractor needles, multi-value several values of one key,
+    multi-query asks for several keys. The first needle sits at `depth`, others at random."""
+    taken: set[str] = set()
+    asked = [_key(rng, taken) for _ in range(max(keys, queries))]
+    needles, gold = [], []
+    for k in asked[:queries]:
+        vals = [_number(rng) for _ in range(values)]
+        gold += vals
+        needles += [(k, v) for v in vals]
+    needles += [(k, _number(rng)) for k in asked[queries:]]
+    needles += [(_key(rng, taken), _number(rng)) for _ in range(distractors)]
+    texts = [f" One of the special magic numbers for {k} is: {v}. " for k, v in needles]
+    depths = [depth] + [float(rng.uniform(0, 1)) for _ in texts[1:]]
+    which = ", ".join(asked[:queries])
+    noun = "numbers" if values > 1 or queries > 1 else "number"
+    question = f"What are all the special magic {noun} for {which} mentioned in the provided text?"
+    prefix = f"The special magic {noun} for {which} mentioned in the provided text are"
+    fixed = "".join(texts) + question + prefix
+    source = _sentences(haystack)
+    sentences = budget.fill(fixed, lambda n: [source[i % len(source)] for i in range(n)])
+    return Prompt(name, budget.length, _insert(sentences, texts, depths), question, prefix, gold, "all",
+                  max_new_tokens=16 * len(gold), meta={"depth": depth})
+
+
+def passkey(budget: Budget, rng: np.random.Generator, depth: float) -> Prompt:
+    key = str(int(rng.integers(10_000, 100_000)))
+    needle = f" The pass key is {key}. Remember it. {key} is the pass key. "
+    question = "What is the pass key?"
+    prefix = "The pass key is"
+    sentences = budget.fill(needle + question + prefix, lambda n: [NOISE] * n)
+    return Prompt("passkey", budget.length, _insert(sentences, [needle], [depth]), question, prefix, [key],
+                  "substring", max_new_tokens=12, meta={"depth": depth})
+
+
+def variable_tracking(budget: Budget, rng: np.random.Generator, hops: int = 4) -> Prompt:
+    """RULER VT: "VAR A = 12345" then a chain "VAR B = VAR A" ... hidden in noise; every name
+    bound to the value is gold."""
+    value = str(int(rng.integers(10_000, 100_000)))
+    names = ["".join(chr(int(c)) for c in rng.integers(65, 91, 5)) for _ in range(hops + 1)]
+    lines = [f" VAR {names[0]} = {value}. "] + [f" VAR {names[i + 1]} = VAR {names[i]}. " for i in range(hops)]
+    question = f"Find all variables that are assigned the value {value} in the text above."
+    prefix = f"Answer: According to the chain(s) of variable assignment in the text above, {hops + 1} variables are " \
+             f"assigned the value {value}, they are:"
+    sentences = budget.fill("".join(lines) + question + prefix, lambda n: [NOISE] * n)
+    depths = sorted(float(x) for x in rng.uniform(0, 1, len(lines)))
+    return Prompt("variable_tracking", budget.length, _insert(sentences, lines, depths), question, prefix, names,
+                  "all", max_new_tokens=8 * len(names))
+
+
+def common_words(budget: Budget, rng: np.random.Generator, top: int = 10) -> Prompt:
+    """RULER CWE: a numbered word list where `top` words appear 30 times and the rest 3 times."""
+    words = list(rng.permutation(WORDS))
+    common, rare = words[:top], words[top:]
+    question = f"What are the {top} most common words in the above list?"
+    prefix = f"Answer: The top {top} words that appear most often in the list are:"
+
+    def listing(n: int) -> list[str]:
+        pool = [w for w in common for _ in range(30)] + [w for w in rare for _ in range(3)]
+        pool = [pool[i % len(pool)] for i in range(n)]
+        order = np.random.default_rng(n).permutation(n)
+        return [f"{i + 1}. {pool[j]} " for i, j in enumerate(order)]
+
+    items = budget.fill(question + prefix, listing)
+    counts: dict[str, int] = {}
+    for it in items:
+        w = it.split(". ", 1)[1].strip()
+        counts[w] = counts.get(w, 0) + 1
+    gold = sorted(counts, key=lambda w: (-counts[w], w))[:top]
+    return Prompt("common_words", budget.length, "".join(items), question, prefix, gold, "all",
+                  max_new_tokens=6 * top)
+
+
+def frequent_words(budget: Budget, rng: np.random.Generator, top: int = 3, alpha: float = 2.0) -> Prompt:
+    """RULER FWE: synthetic words drawn from a Zipf law; the `top` most frequent are gold."""
+    vocab = ["".join(chr(int(c)) for c in rng.integers(97, 123, 5)) for _ in range(400)]
+    question = f"What are the {top} most frequently appeared coded words in the above coded text?"
+    prefix = f"Answer: According to the coded text above, the {top} most frequently appeared words are:"
+    draws = np.minimum(rng.zipf(alpha, 200_000) - 1, len(vocab) - 1)
+
+    def text(n: int) -> list[str]:
+        return [vocab[int(d)] + " " for d in draws[:n]]
+
+    words = budget.fill(question + prefix, text, start=64)
+    counts = np.bincount(draws[:len(words)], minlength=len(vocab))
+    gold = [vocab[int(i)] for i in np.argsort(-counts, kind="stable")[:top]]
+    return Prompt("frequent_words", budget.length, "... " + "".join(words), question, prefix, gold, "all",
+                  max_new_tokens=8 * top)
+
+
+# ---------------------------------------------------------------- HELMET synthetic
+
+
+def json_kv(budget: Budget, rng: np.random.Generator, depth: float) -> Prompt:
+    """HELMET JSON KV: uuid -> uuid pairs; the asked pair sits at `depth` of the object."""
+    def uid() -> str:
+        return str(uuid.UUID(int=int(rng.integers(0, 2**63)) << 64 | int(rng.integers(0, 2**63)), version=4))
+
+    pairs = [(uid(), uid()) for _ in range(4096)]
+    question_tpl = "Extract the value corresponding to the specified key in the JSON object below."
+    fixed = question_tpl + "Key: " + pairs[0][0] + "Corresponding value:"
+
+    def body(n: int) -> list[str]:
+        return [json.dumps(dict(pairs[:n]), indent=1)]
+
+    n = len(json.loads(budget.fill(fixed, body)[0] or "{}"))
+    n = max(n, 1)
+    at = min(n - 1, int(depth * n))
+    key, value = pairs[at]
+    context = f"{question_tpl}\n\nJSON data:\n{json.dumps(dict(pairs[:n]), indent=1)}"
+    return Prompt("json_kv", budget.length, context, f"Key: \"{key}\"", "Corresponding value:", [value], "substring",
+                  max_new_tokens=40, meta={"depth": depth, "pairs": n})
+
+
+TOPICS = {
+    "weather": ["rain", "cloud", "storm", "sunny", "wind", "forecast", "humid", "thunder", "snow", "breeze"],
+    "cooking": ["bake", "oven", "recipe", "flour", "simmer", "spice", "knead", "roast", "garlic", "sauce"],
+    "sports": ["goal", "match", "team", "score", "coach", "league", "referee", "sprint", "tackle", "season"],
+    "finance": ["stock", "bond", "loan", "credit", "market", "yield", "budget", "invest", "asset", "bank"],
+    "music": ["melody", "chord", "guitar", "tempo", "lyric", "drum", "album", "choir", "violin", "rhythm"],
+}
+FILLER = ["the", "a", "today", "we", "really", "about", "new", "this", "very", "some", "my", "our"]
+
+
+def icl(budget: Budget, rng: np.random.Generator) -> Prompt:
+    """HELMET-style ICL on a synthetic topic-classification source: class-balanced demos whose
+    labels are replaced by random integers (per prompt), so only in-context mapping helps."""
+    names = list(TOPICS)
+    ids = [int(x) for x in rng.choice(100, size=len(names), replace=False)]
+
+    def sentence(topic: str, r: np.random.Generator) -> str:
+        words = list(r.choice(TOPICS[topic], 3)) + list(r.choice(FILLER, 4))
+        return " ".join(r.permutation(words))
+
+    test_topic = names[int(rng.integers(len(names)))]
+    test = sentence(test_topic, rng)
+
+    def demos(n: int) -> list[str]:
+        r = np.random.default_rng(n + 7)
+        order = [names[i % len(names)] for i in range(n)]  # class-balanced
+        return [f"sentence: {sentence(t, r)}\nlabel: {ids[names.index(t)]}\n\n" for t in r.permutation(order)]
+
+    question = f"sentence: {test}"
+    shots = budget.fill(question + "\nlabel:", demos)
+    return Prompt("icl", budget.length, "Use the provided mapping from the sentence to label to assign a label.\n\n"
+                  + "".join(shots), question, "label:", [str(ids[names.index(test_topic)])], "accuracy",
+                  max_new_tokens=4, meta={"shots": len(shots)})
+
+
+TASKS = ("niah_single_noise", "niah_single_text", "niah_multikey", "niah_multivalue", "niah_multiquery",
+         "variable_tracking", "common_words", "frequent_words", "passkey", "json_kv", "icl")
+
+
+def build(task: str, budget: Budget, rng: np.random.Generator, depth: float, text_haystack: str) -> Prompt:
+    """One prompt of a task at budget.length tokens."""
+    if task == "niah_single_noise":
+        return niah(budget, rng, depth, NOISE, name=task)
+    if task == "niah_single_text":
+        return niah(budget, rng, depth, text_haystack, name=task)
+    if task == "niah_multikey":
+        return niah(budget, rng, depth, text_haystack, keys=1, distractors=3, name=task)
+    if task == "niah_multivalue":
+        return niah(budget, rng, depth, text_haystack, values=4, name=task)
+    if task == "niah_multiquery":
+        return niah(budget, rng, depth, text_haystack, queries=4, name=task)
+    if task == "variable_tracking":
+        return variable_tracking(budget, rng)
+    if task == "common_words":
+        return common_words(budget, rng)
+    if task == "frequent_words":
+        return frequent_words(budget, rng)
+    if task == "passkey":
+        return passkey(budget, rng, depth)
+    if task == "json_kv":
+        return json_kv(budget, rng, depth)
+    if task == "icl":
+        return icl(budget, rng)
+    raise ValueError(f"unknown task {task!r} (known: {TASKS})")
