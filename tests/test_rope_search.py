@@ -168,3 +168,23 @@ def test_stage_refuses_bad_input(project_copy):
     model = Transformer(ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, ffn_dim=32))
     with pytest.raises(DataError, match="long_factor must be a list of 8 numbers"):
         longrope_factors(wrong, model)
+
+
+def test_search_approaches_a_known_optimum_and_respects_budgets(tmp_path):
+    from longctx.ropesearch.evolve import Settings, search
+
+    space = Space(head_dim=32, theta=1e4, original=512, target=2048, critical_max="all")
+    goal = space.factors(space.project(np.linspace(4.0, 7.5, 16), r=9, attention=space.paper_attention))
+
+    def distance(ind):  # a smooth landscape with its minimum inside the space
+        return float(((np.log(space.factors(ind)) - np.log(goal)) ** 2).sum())
+
+    anchors = seeds(space, method_ropes(space, 1.6e5))
+    state = search(space, distance, Settings(population=16, generations=30, seed=0), anchors, tmp_path / "a.json")
+    start = min(distance(a) for a in anchors)
+    assert state.history[-1]["best"] < 0.2 * start
+    assert state.stopped is None and state.generation == 30
+    capped = search(space, distance, Settings(population=16, generations=30, seed=0, max_evaluations=40), anchors,
+                    tmp_path / "b.json")
+    assert capped.stopped == "max_evaluations 40 reached" and capped.generation < 30
+    assert len(capped.cache) < 40 + 16
