@@ -51,6 +51,23 @@ def main(name: str, run: Callable[[config.Config, Path], None],
         sys.exit(130)
 
 
+def write_csv(path: Path, rows: list[dict]) -> None:
+    """Rows as CSV (DVC plots, MLflow tables); the header is the union of the rows' keys."""
+    import csv
+
+    with path.open("w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(dict.fromkeys(k for r in rows for k in r)) or ["empty"])
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def compute_device():
+    """The GPU when there is one (single-process stages), else the CPU."""
+    import torch
+
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def _nproc(value: int | str) -> int:
     if value != "auto":
         return int(value)

@@ -4,7 +4,6 @@ ProLong's base change) measured on the same metric and the same sequences."""
 
 from __future__ import annotations
 
-import csv
 import hashlib
 import json
 from pathlib import Path
@@ -20,13 +19,14 @@ from longctx.eval import needle
 from longctx.io import atomic_dir, write_json
 from longctx.model.config import RopeConfig
 from longctx.model.transformer import Transformer
+from longctx.plotting import finish, pyplot
 from longctx.ropesearch.evolve import Settings, search
 from longctx.ropesearch.space import Individual, Space, factors_of, method_ropes, rope_of, seeds
 from longctx.tracking import stage_run
 from longctx.train.models import load_model
 
 from . import _train
-from ._run import METRICS, PACKED, PLOTS, TOKENS, main
+from ._run import METRICS, PACKED, PLOTS, TOKENS, compute_device, main, write_csv
 
 OUT = _train.MODELS / "rope_search"
 SEARCHED = "longrope2"
@@ -81,7 +81,7 @@ def run(cfg: Config, root: Path) -> None:
     target = rs.target_length or 4 * original
     if target <= original:
         raise ConfigError(f"rope_search.target_length: {target} must exceed the original window {original}")
-    device = _device()
+    device = compute_device()
     model = model.to(device).eval()
     space = Space(model.cfg.dim_head, model.cfg.rope.theta, original, target, rs.factor_max, rs.critical_max,
                   rs.search_attention)
@@ -126,11 +126,11 @@ def run(cfg: Config, root: Path) -> None:
             write_json(tmp / "factors.json", hf_form(ropes[SEARCHED], space) | {"searched_on": init})
             write_json(tmp / "methods.json", factors)
             (tmp / "history.jsonl").write_text("".join(json.dumps(h) + "\n" for h in state.history))
-            _write_csv(tmp / "table.csv", table)
+            write_csv(tmp / "table.csv", table)
         METRICS.mkdir(exist_ok=True)
         write_json(METRICS / "rope_search.json", {"summary": summary, "table": table})
         PLOTS.mkdir(exist_ok=True)
-        _write_csv(PLOTS / "rope_search_fitness.csv",
+        write_csv(PLOTS / "rope_search_fitness.csv",
                    [{"generation": h["generation"], "best": h["best"], "mean": h["mean"]} for h in state.history])
         plot_factors(factors, space, PLOTS / "rope_factors.png")
         tracker.metrics({k: v for k, v in summary.items() if isinstance(v, (int, float))})
@@ -189,25 +189,15 @@ def hf_form(rope: RopeConfig, space: Space) -> dict:
 
 def plot_factors(factors: dict[str, list[float]], space: Space, path: Path) -> None:
     """Factor vs frequency index for every method (LongRoPE2's Figure 4)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, ax = pyplot().subplots(figsize=(8, 4.5))
     for name, f in factors.items():
         ax.plot(range(len(f)), f, marker="o" if name == SEARCHED else ".", linewidth=2.2 if name == SEARCHED else 1.2,
                 label=name)
     ax.axvline(space.tcd, color="k", linestyle="--", linewidth=1, label=f"theoretical critical index {space.tcd}")
     ax.axhline(space.scale, color="grey", linestyle=":", linewidth=1, label=f"s = {space.scale:g}")
     ax.set_yscale("log")
-    ax.set_xlabel("frequency index i (dimension 2i)")
-    ax.set_ylabel("rescale factor lambda_i")
-    ax.set_title(f"RoPE factors, {space.original} -> {space.target} tokens")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    finish(fig, ax, path, "frequency index i (dimension 2i)", "rescale factor lambda_i",
+           f"RoPE factors, {space.original} -> {space.target} tokens")
 
 
 def _run_folder(cfg: Config, init: str, split: str) -> Path:
@@ -215,20 +205,6 @@ def _run_folder(cfg: Config, init: str, split: str) -> Path:
     key = json.dumps([cfg.rope_search.model_dump(mode="json"), init, _train.fingerprint(Path(init)),
                       _train.fingerprint(PACKED / split / "val")], sort_keys=True)
     return _train.RUNS / "rope_search" / hashlib.sha256(key.encode()).hexdigest()[:12]
-
-
-def _write_csv(path: Path, rows: list[dict]) -> None:
-    fields = list(dict.fromkeys(k for r in rows for k in r))
-    with path.open("w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=fields)
-        writer.writeheader()
-        writer.writerows(rows)
-
-
-def _device():
-    import torch
-
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ def workspace(tmp_path_factory) -> tuple[Path, dict]:
 def test_dvc_repro_runs_the_stages_and_tracks_them(workspace):
     ws, env = workspace
     out = sh(["dvc", "repro"], ws, env)
-    for stage in ("corpora", "tokenize", "pack", "base", "rope_search", "pretrain", "sft"):
+    for stage in ("corpora", "tokenize", "pack", "base", "rope_search", "pretrain", "sft", "eval"):
         assert f"Running stage '{stage}'" in out
     assert (ws / "data/packed/stage1/train/tokens.bin").stat().st_size > 0
     assert json.loads((ws / "metrics/pack.json").read_text())["stage1.train"]["sequences"] > 0
@@ -58,7 +58,7 @@ def test_dvc_repro_runs_the_stages_and_tracks_them(workspace):
     client = MlflowClient(tracking_uri=f"sqlite:///{ws / 'mlflow.db'}")
     exp = client.get_experiment_by_name("longctx")
     runs = {r.info.run_name: r for r in client.search_runs([exp.experiment_id])}
-    assert set(runs) == {"corpora", "tokenize", "pack", "base", "rope_search", "pretrain", "sft"}
+    assert set(runs) == {"corpora", "tokenize", "pack", "base", "rope_search", "pretrain", "sft", "eval"}
     assert all(r.info.status == "FINISHED" for r in runs.values())
     assert runs["pack"].data.params["pack.seed"] == "0"
     assert runs["pack"].data.metrics["tokens_per_s"] > 0
@@ -85,6 +85,21 @@ def test_dvc_repro_runs_the_stages_and_tracks_them(workspace):
     assert min(factors["long_factor"][search["summary"]["critical_index_searched"]:]) >= 2.0  # >= s
     assert len(client.get_metric_history(runs["rope_search"].info.run_id, "search.best_needle_nll")) == 3
     assert {"rope_factors.png", "table.csv"} <= {a.path for a in client.list_artifacts(runs["rope_search"].info.run_id)}
+    # eval: every checkpoint, the same prompts; lengths past a checkpoint's window are skipped, said so
+    ev = json.loads((ws / "metrics/eval.json").read_text())
+    ckpts = {"base", "pretrain_stage1", "pretrain_stage2", "sft"}
+    assert set(ev["tasks"]) == ckpts and len(ev["tasks"]["sft"]) == 11
+    assert set(ev["tasks"]["base"]["niah_single_noise"]) == {"256"}
+    assert {"checkpoint": "base", "length": 512, "reason": "beyond the checkpoint's window 256"} in ev["skipped"]
+    assert all(0 <= v <= 1 for by in ev["tasks"].values() for t in by.values() for v in t.values())
+    assert set(ev["retention_ppl"]) == ckpts and all(v > 1 for v in ev["retention_ppl"].values())
+    assert ev["ppl_by_length"]["pretrain_stage2"]["2048"] > 1 and ev["throughput"]["sft"]["prompts_per_s"] > 0
+    assert (ws / "plots/eval/niah_heatmap.png").stat().st_size > 5000
+    prompts = (ws / "reports/eval/prompts.jsonl").read_text().splitlines()
+    assert len(prompts) == 11 * (1 + 2 + 2 + 2)
+    assert "| sft |" in (ws / "reports/eval/comparison.md").read_text()
+    assert runs["eval"].data.metrics["sft.prompts_per_s"] > 0
+    assert "comparison.md" in {a.path for a in client.list_artifacts(runs["eval"].info.run_id)}
 
 
 def test_pretrain_takes_the_searched_factors(workspace):

@@ -21,6 +21,7 @@ from pydantic import (
     NonNegativeInt,
     PositiveInt,
     ValidationError,
+    field_validator,
     model_validator,
 )
 
@@ -282,6 +283,49 @@ class RopeSearchConfig(Strict):
     """Tokens per forward when scoring."""
 
 
+# ---------------------------------------------------------------- eval
+
+
+class EvalConfig(Strict):
+    """The `eval` stage: every checkpoint the pipeline made, the same prompts for all."""
+
+    tasks: list[str] = ["niah_single_noise", "niah_single_text", "niah_multikey", "niah_multivalue",
+                        "niah_multiquery", "variable_tracking", "common_words", "frequent_words", "passkey",
+                        "json_kv", "icl"]
+    lengths: list[PositiveInt] = [8192, 16384, 32768, 65536, 131072]
+    """Context lengths of the task prompts (tokens)."""
+    samples: PositiveInt = 4
+    """Prompts per task and length (the single-needle noise task: one per depth)."""
+    depths: list[float] = [0.0, 0.25, 0.5, 0.75, 1.0]
+    seed: int = 0
+    backend: Literal["ours", "transformers"] = "ours"
+    """Greedy decoding with our KV cache, or with transformers on the HF export (RoPE models)."""
+    position_sequences: PositiveInt = 8
+    """Long validation documents for the per-position loss and perplexity against length."""
+    needle_sequences: PositiveInt = 8
+    retention_sequences: PositiveInt = 32
+    """Short validation sequences for short-context perplexity."""
+    retention_split: str | None = None
+    """Packed split whose validation part measures retention; default the base split if any."""
+
+    @field_validator("tasks")
+    @classmethod
+    def _known(cls, value: list[str]) -> list[str]:
+        from .eval.tasks import TASKS
+
+        unknown = [t for t in value if t not in TASKS]
+        if unknown:
+            raise ValueError(f"unknown tasks {unknown} (known: {list(TASKS)})")
+        return value
+
+    @field_validator("depths")
+    @classmethod
+    def _fractions(cls, value: list[float]) -> list[float]:
+        if not value or any(not 0 <= d <= 1 for d in value):
+            raise ValueError("depths must be fractions in [0, 1]")
+        return value
+
+
 # ---------------------------------------------------------------- tracking
 
 
@@ -303,6 +347,7 @@ class Config(Strict):
     model: ModelParams
     train: TrainParams
     rope_search: RopeSearchConfig = RopeSearchConfig()
+    eval: EvalConfig = EvalConfig()
     tracking: TrackingConfig = TrackingConfig()
 
     @model_validator(mode="after")
@@ -352,6 +397,9 @@ class Config(Strict):
         for where, stage in stages:
             if stage.split not in self.pack.splits:
                 raise ValueError(f"{where}.split: {stage.split!r} is not a pack split ({sorted(self.pack.splits)})")
+        if self.eval.retention_split is not None and self.eval.retention_split not in self.pack.splits:
+            raise ValueError(f"eval.retention_split: {self.eval.retention_split!r} is not a pack split "
+                             f"({sorted(self.pack.splits)})")
         rs = self.rope_search
         if rs.split is not None and rs.split not in self.pack.splits:
             raise ValueError(f"rope_search.split: {rs.split!r} is not a pack split ({sorted(self.pack.splits)})")

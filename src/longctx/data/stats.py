@@ -6,6 +6,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..plotting import finish, pyplot, save
+
 THRESHOLDS = (4096, 8192, 16384, 32768, 65536)
 
 
@@ -34,37 +36,22 @@ def format_table(table: dict[str, dict], columns: list[str], key: str = "domain"
 
 
 def plot_length_hist(lengths: dict[str, np.ndarray], threshold: int, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     nonempty = {d: v for d, v in lengths.items() if v.size}
     top = max(int(v.max()) for v in nonempty.values())
     bins = np.logspace(0, np.log10(max(top, 10)) + 0.05, 60)
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, ax = pyplot().subplots(figsize=(8, 4.5))
     for domain, lens in nonempty.items():
         ax.hist(lens, bins=bins, histtype="step", linewidth=1.4, label=f"{domain} ({lens.size})")
     ax.axvline(threshold, color="k", linestyle="--", linewidth=1, label=f"long threshold {threshold}")
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_xlabel("document length (tokens)")
-    ax.set_ylabel("documents")
-    ax.set_title("Document lengths per domain (before the length filter)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    finish(fig, ax, path, "document length (tokens)", "documents",
+           "Document lengths per domain (before the length filter)")
 
 
 def plot_proportions(achieved: dict[str, dict[str, float]], requested: dict[str, dict[str, float]], path: Path) -> None:
     """Requested vs achieved token share per domain, one panel per split."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(requested), figsize=(4.5 * len(requested), 4), squeeze=False)
+    fig, axes = pyplot().subplots(1, len(requested), figsize=(4.5 * len(requested), 4), squeeze=False)
     for ax, (split, req) in zip(axes[0], requested.items(), strict=True):
         names = list(req)
         x = np.arange(len(names))
@@ -74,6 +61,4 @@ def plot_proportions(achieved: dict[str, dict[str, float]], requested: dict[str,
         ax.set_title(split)
         ax.set_ylabel("share of tokens")
     axes[0][0].legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path)

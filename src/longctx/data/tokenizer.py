@@ -179,6 +179,12 @@ class TextTokenizer:
             spans.append((start, len(after)))
         return full, spans
 
+    def chat_prompt(self, user: str) -> str:
+        """One user turn rendered with the template, ending where the assistant's reply starts."""
+        if not self.chat_template:
+            raise DataError("tokenizer has no chat template (set tokenize.tokenizer.chat_template)")
+        return self._render([{"role": "user", "content": user}], True)
+
     def encode_chats(self, conversations: list[list[dict[str, str]]]) -> list[tuple[np.ndarray, np.ndarray]]:
         """(ids, loss mask) per conversation; mask is 1 on assistant tokens only."""
         rendered = [self.render_chat(c) for c in conversations]

@@ -58,15 +58,17 @@ def score(prompt: Prompt, output: str) -> float:
 
 
 class Budget:
-    """Counts tokens of text pieces with the model's tokenizer (encode_texts-like callable)."""
+    """Counts tokens of text pieces with the model's tokenizer. `reserve` tokens are kept free
+    for what wraps the prompt (BOS, chat markers, separators; tokens do not add up exactly
+    across joins)."""
 
-    def __init__(self, count: Callable[[str], int], length: int):
-        self.count, self.length = count, length
+    def __init__(self, count: Callable[[str], int], length: int, reserve: int = 8):
+        self.count, self.length, self.reserve = count, length, reserve
 
     def fill(self, fixed: str, pieces: Callable[[int], list[str]], start: int = 8) -> list[str]:
         """The most pieces (pieces(n) gives the first n) such that fixed + pieces fit the length;
         doubling then bisection, a handful of tokenizer calls."""
-        room = self.length - self.count(fixed)
+        room = self.length - self.reserve - self.count(fixed)
         if room <= 0:
             return []
         lo, hi = 0, start
@@ -211,7 +213,7 @@ def json_kv(budget: Budget, rng: np.random.Generator, depth: float) -> Prompt:
 
     pairs = [(uid(), uid()) for _ in range(4096)]
     question_tpl = "Extract the value corresponding to the specified key in the JSON object below."
-    fixed = question_tpl + "Key: " + pairs[0][0] + "Corresponding value:"
+    fixed = question_tpl + "\n\nJSON data:\n" + f'Key: "{pairs[0][0]}"' + "Corresponding value:"
 
     def body(n: int) -> list[str]:
         return [json.dumps(dict(pairs[:n]), indent=1)]
@@ -254,10 +256,10 @@ def icl(budget: Budget, rng: np.random.Generator) -> Prompt:
         return [f"sentence: {sentence(t, r)}\nlabel: {ids[names.index(t)]}\n\n" for t in r.permutation(order)]
 
     question = f"sentence: {test}"
-    shots = budget.fill(question + "\nlabel:", demos)
-    return Prompt("icl", budget.length, "Use the provided mapping from the sentence to label to assign a label.\n\n"
-                  + "".join(shots), question, "label:", [str(ids[names.index(test_topic)])], "accuracy",
-                  max_new_tokens=4, meta={"shots": len(shots)})
+    intro = "Use the provided mapping from the sentence to label to assign a label.\n\n"
+    shots = budget.fill(intro + question + "\nlabel:", demos)
+    return Prompt("icl", budget.length, intro + "".join(shots), question, "label:",
+                  [str(ids[names.index(test_topic)])], "accuracy", max_new_tokens=4, meta={"shots": len(shots)})
 
 
 TASKS = ("niah_single_noise", "niah_single_text", "niah_multikey", "niah_multivalue", "niah_multiquery",

@@ -1,0 +1,147 @@
+"""Running the evaluation on one checkpoint: task prompts answered by greedy decoding (our KV
+cache, or `transformers` for an HF export), per-position loss, perplexity against length, and
+short-context retention."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from ..data.tokenizer import TextTokenizer
+from ..model.decode import generate
+from ..model.loss import IGNORE
+from ..model.transformer import Transformer
+from . import tasks
+
+
+@dataclass(frozen=True)
+class Encoder:
+    """Prompt text -> token ids for one checkpoint: plain with BOS for pretrained models, the
+    chat template (one user turn, then the answer prefix) for SFT models."""
+
+    tok: TextTokenizer
+    chat: bool
+
+    def count(self, text: str) -> int:
+        return len(self.tok.tok.encode(text, add_special_tokens=False).ids)
+
+    def prompt(self, p: tasks.Prompt) -> list[int]:
+        if self.chat:
+            head = self.tok.chat_prompt(f"{p.context}\n\n{p.question}")
+            return self.tok.tok.encode(head + p.answer_prefix, add_special_tokens=False).ids
+        bos = self.tok.token_id(self.tok.bos_token, "bos") if self.tok.bos_token else None
+        ids = self.tok.tok.encode(p.text(), add_special_tokens=False).ids
+        return ([bos] if bos is not None else []) + ids
+
+    def eos(self) -> int | None:
+        return self.tok.token_id(self.tok.eos_token, "eos") if self.tok.eos_token else None
+
+
+def build_prompts(enc: Encoder, names: list[str], lengths: list[int], samples: int, depths: list[float],
+                  seed: int, haystack: str) -> list[tasks.Prompt]:
+    """Every task at every length: `samples` prompts each, depths cycling; the single-needle
+    noise task at every depth (the NIAH depth x length grid). The same seed, the same prompts."""
+    out = []
+    wrap = len(enc.prompt(tasks.Prompt("", 0, "", "", "", [""], "all", 0)))
+    for length in lengths:
+        budget = tasks.Budget(enc.count, length, reserve=wrap + 8)
+        for name in names:
+            grid = depths if name == "niah_single_noise" else [depths[i % len(depths)] for i in range(samples)]
+            for i, depth in enumerate(grid):
+                rng = np.random.default_rng([seed, length, tasks.TASKS.index(name), i])
+                out.append(tasks.build(name, budget, rng, depth, haystack))
+    return out
+
+
+Answerer = Callable[[list[int], int], list[int]]
+
+
+def our_answerer(model: Transformer, eos: int | None) -> Answerer:
+    device = next(model.parameters()).device
+
+    def answer(ids: list[int], max_new: int) -> list[int]:
+        prompt = torch.tensor(ids, device=device)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            out = generate(model, prompt, max_new, eos)
+        return out[len(ids):].tolist()
+
+    return answer
+
+
+def hf_answerer(folder, eos: int | None) -> Answerer:
+    """Greedy decoding with transformers on an HF export of the checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    if torch.cuda.is_available():
+        hf = hf.cuda()
+
+    @torch.no_grad()
+    def answer(ids: list[int], max_new: int) -> list[int]:
+        x = torch.tensor([ids], device=hf.device)
+        out = hf.generate(x, max_new_tokens=max_new, do_sample=False, eos_token_id=eos, pad_token_id=eos or 0)
+        return out[0, len(ids):].tolist()
+
+    return answer
+
+
+def run_tasks(answer: Answerer, enc: Encoder, prompts: list[tasks.Prompt], desc: str) -> tuple[list[dict], dict]:
+    """Score every prompt; returns rows and throughput."""
+    rows, tokens, start = [], 0, time.perf_counter()
+    eos = enc.eos()
+    for p in tqdm(prompts, desc=desc, unit="prompt"):
+        ids = enc.prompt(p)
+        out = answer(ids, p.max_new_tokens)
+        if eos is not None and eos in out:
+            out = out[:out.index(eos)]
+        text = enc.tok.tok.decode(out)
+        tokens += len(ids) + len(out)
+        rows.append({"task": p.task, "length": p.length, "depth": p.meta.get("depth"), "score": tasks.score(p, text),
+                     "output": text[:200], "gold": p.gold, "prompt_tokens": len(ids)})
+    seconds = time.perf_counter() - start
+    return rows, {"prompts_per_s": len(prompts) / max(seconds, 1e-9), "tokens_per_s": tokens / max(seconds, 1e-9),
+                  "seconds": seconds}
+
+
+@torch.no_grad()
+def position_loss(model: Transformer, docs: list[np.ndarray]) -> np.ndarray:
+    """Mean next-token loss at every position (FoX paper Figure 2), over single documents."""
+    device = next(model.parameters()).device
+    n = min(len(d) for d in docs)
+    total = torch.zeros(n - 1, dtype=torch.float64)
+    for d in docs:
+        ids = torch.from_numpy(np.asarray(d[:n], dtype=np.int64)).to(device)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            logits = model(ids).float()
+        loss = torch.nn.functional.cross_entropy(logits[:-1], ids[1:], reduction="none")
+        total += loss.double().cpu()
+    return (total / len(docs)).numpy()
+
+
+def smooth(values: np.ndarray, points: int = 64) -> tuple[list[int], list[float]]:
+    """Per-position losses averaged over equal windows (a readable curve)."""
+    edges = np.unique(np.linspace(0, len(values), points + 1).astype(int))
+    return ([int(b) for b in edges[1:]],
+            [float(values[a:b].mean()) for a, b in zip(edges[:-1], edges[1:], strict=True)])
+
+
+@torch.no_grad()
+def mean_loss(model: Transformer, docs: list[np.ndarray], masks: list[np.ndarray | None] | None = None) -> float:
+    """Token-averaged next-token loss over documents (masks: 1 where the target counts)."""
+    device = next(model.parameters()).device
+    total, count = 0.0, 0
+    for i, d in enumerate(docs):
+        ids = torch.from_numpy(np.asarray(d, dtype=np.int64)).to(device)
+        labels = torch.full_like(ids, IGNORE)
+        labels[:-1] = ids[1:]
+        if masks is not None and masks[i] is not None:
+            labels[:-1][torch.from_numpy(np.asarray(masks[i][1:]) == 0).to(device)] = IGNORE
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            total += float(model(ids, labels=labels))
+        count += int((labels != IGNORE).sum())
+    return total / max(count, 1)

@@ -1,0 +1,29 @@
+"""Figures written to files (no display): one place for the backend and the finishing touches."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save(fig, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    pyplot().close(fig)
+
+
+def finish(fig, ax, path: Path, xlabel: str, ylabel: str, title: str) -> None:
+    """Label one axes, add its legend, write the figure."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    save(fig, path)

@@ -1,0 +1,97 @@
+"""The task generators: prompts reach their token length, hold their gold answers where the task
+says, are seeded, and score as their sources do."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+from longctx.data.tokenizer import TextTokenizer
+from longctx.eval import tasks
+from longctx.eval.suite import Encoder, build_prompts
+
+
+@pytest.fixture(scope="module")
+def enc(small_project) -> Encoder:
+    return Encoder(TextTokenizer.load(small_project / "data/tokens/tokenizer"), chat=False)
+
+
+@pytest.fixture(scope="module")
+def haystack(small_project, enc) -> str:
+    from longctx.data.loader import PackedDataset
+
+    data = PackedDataset(small_project / "data/packed/stage1/val")
+    return enc.tok.tok.decode(data[0].input_ids.tolist())
+
+
+@pytest.mark.parametrize("task", tasks.TASKS)
+@pytest.mark.parametrize("length", [512, 2048])
+def test_every_task_fills_its_length_and_holds_its_answer(enc, haystack, task, length):
+    budget = tasks.Budget(enc.count, length)
+    p = tasks.build(task, budget, np.random.default_rng(0), 0.5, haystack)
+    n = len(enc.prompt(p))
+    assert 0.85 * length <= n <= length, f"{task}: {n} tokens for {length}"
+    assert p.gold and all(isinstance(g, str) and g for g in p.gold)
+    if task in ("common_words", "frequent_words"):
+        words = re.findall(r"[a-z]+", p.context)
+        counts = {w: words.count(w) for w in set(words)}
+        least_gold = min(counts[g] for g in p.gold)
+        assert all(c <= least_gold for w, c in counts.items() if w not in p.gold)  # gold = the most frequent
+    elif task == "icl":
+        assert p.gold[0] in re.findall(r"label: (\d+)", p.context)  # the test's class has demonstrations
+    else:
+        assert all(g in p.context for g in p.gold)
+    again = tasks.build(task, budget, np.random.default_rng(0), 0.5, haystack)
+    assert again == p  # seeded
+
+
+def test_needle_depth_places_the_needle(enc):
+    budget = tasks.Budget(enc.count, 1024)
+    first = tasks.niah(budget, np.random.default_rng(1), 0.0, tasks.NOISE)
+    last = tasks.niah(budget, np.random.default_rng(1), 1.0, tasks.NOISE)
+    assert first.context.index(first.gold[0]) < 0.05 * len(first.context)
+    assert last.context.index(last.gold[0]) > 0.9 * len(last.context)
+
+
+def test_multi_needle_variants(enc, haystack):
+    budget = tasks.Budget(enc.count, 1024)
+    rng = np.random.default_rng(2)
+    mk = tasks.niah(budget, rng, 0.5, haystack, distractors=3)
+    assert len(mk.gold) == 1 and mk.context.count("special magic numbers for") == 4
+    mv = tasks.niah(budget, rng, 0.5, haystack, values=4)
+    assert len(mv.gold) == 4 and len({re.search(r"for (\S+)", mv.question).group(1)}) == 1
+    mq = tasks.niah(budget, rng, 0.5, haystack, queries=4)
+    assert len(mq.gold) == 4 and mq.question.count(",") == 3
+
+
+def test_json_kv_and_variable_tracking_formats(enc):
+    budget = tasks.Budget(enc.count, 1024)
+    kv = tasks.json_kv(budget, np.random.default_rng(3), 0.5)
+    obj = json.loads(kv.context.split("JSON data:\n", 1)[1])
+    key = kv.question.split('"')[1]
+    assert obj[key] == kv.gold[0] and len(obj) == kv.meta["pairs"] > 3
+    vt = tasks.variable_tracking(budget, np.random.default_rng(4))
+    value = re.search(r"value (\d+)", vt.question).group(1)
+    assert f"VAR {vt.gold[0]} = {value}." in vt.context
+    for a, b in zip(vt.gold, vt.gold[1:], strict=False):
+        assert f"VAR {b} = VAR {a}." in vt.context
+
+
+def test_scores_follow_the_sources():
+    p = tasks.Prompt("x", 10, "", "", "", ["123", "456"], "all", 8)
+    assert tasks.score(p, "it is 123 and 456") == 1.0 and tasks.score(p, "123 only") == 0.5
+    s = tasks.Prompt("x", 10, "", "", "", ["abc"], "substring", 8)
+    assert tasks.score(s, "xx abc yy") == 1.0 and tasks.score(s, "ab c") == 0.0
+    a = tasks.Prompt("x", 10, "", "", "", ["42"], "accuracy", 4)
+    assert tasks.score(a, " 42\n") == 1.0 and tasks.score(a, " 4 2") == 0.0 and tasks.score(a, "142") == 0.0
+
+
+def test_prompt_set_is_the_same_for_every_run(enc, haystack):
+    a = build_prompts(enc, ["niah_single_noise", "passkey"], [512, 1024], 2, [0.1, 0.9], 0, haystack)
+    b = build_prompts(enc, ["niah_single_noise", "passkey"], [512, 1024], 2, [0.1, 0.9], 0, haystack)
+    assert a == b and len(a) == 2 * (2 + 2)
+    assert {(p.task, p.meta["depth"]) for p in a if p.task == "niah_single_noise"} == {
+        ("niah_single_noise", 0.1), ("niah_single_noise", 0.9)}
