@@ -76,7 +76,9 @@ def run(cfg: Config, root: Path) -> None:
     haystack = tok.tok.decode(data[needle.long_documents(data, 1)[0]].input_ids.tolist())
     device = compute_device()
     results: dict = {"tasks": {}, "throughput": {}, "position_loss": {}, "ppl_by_length": {}, "needle_ppl": {},
-                     "retention_ppl": {}, "skipped": []}
+                     "retention_ppl": {}, "skipped": [],
+                     "not_computed": {"helmet_gpt4o_judged": "GPT-4o-judged metrics (HELMET summarization, QA "
+                                                             "judge) need an external API; not computed"}}
     rows_all, position_rows = [], []
     with stage_run(cfg.tracking, root, "eval", flat(ec, "eval")) as tracker:
         for name, folder in ckpts.items():
@@ -102,6 +104,8 @@ def run(cfg: Config, root: Path) -> None:
             tracker.metrics({f"{name}.{t}.{n}": v for t, by in results["tasks"][name].items() for n, v in by.items()})
             tracker.metrics({f"{name}.prompts_per_s": speed["prompts_per_s"], f"{name}.tokens_per_s": speed["tokens_per_s"]})
             _perplexities(model, name, data, tok, ec, results, position_rows)
+            if ec.lm_eval_tasks:
+                _lm_eval(model, tok, name, ec, results)
             short = retention_split(cfg)
             if short is not None:
                 seqs = [short[i] for i in range(min(ec.retention_sequences, len(short)))]
@@ -139,6 +143,19 @@ def _perplexities(model, name: str, data: PackedDataset, tok, ec, results: dict,
             results["skipped"].append({"checkpoint": name, "task": "needle_ppl", "length": n, "reason": str(e)})
             continue
         results["needle_ppl"][name][n] = needle.perplexity(needle.needle_nll(model, seqs))
+
+
+def _lm_eval(model, tok, name: str, ec, results: dict) -> None:
+    """Short-context retention through lm-eval-harness; a task whose data cannot be had is
+    reported as skipped with the reason, never as a score."""
+    from longctx.eval.lm_harness import evaluate
+
+    results.setdefault("lm_eval", {})[name] = {}
+    for task in ec.lm_eval_tasks:
+        try:
+            results["lm_eval"][name] |= evaluate(model, tok, [task], limit=ec.lm_eval_limit)
+        except Exception as e:  # lm-eval raises many kinds (missing dataset, no network, bad task name)
+            results["skipped"].append({"checkpoint": name, "task": f"lm_eval:{task}", "reason": f"{type(e).__name__}: {e}"[:300]})
 
 
 def _mean_scores(rows: list[dict]) -> dict[str, dict[int, float]]:

@@ -307,6 +307,11 @@ class EvalConfig(Strict):
     """Short validation sequences for short-context perplexity."""
     retention_split: str | None = None
     """Packed split whose validation part measures retention; default the base split if any."""
+    lm_eval_tasks: list[str] = []
+    """lm-eval-harness tasks for short-context retention (real profiles: hellaswag, arc_challenge,
+    winogrande, mmlu, gsm8k); their datasets must be reachable (hub cache or local)."""
+    lm_eval_limit: PositiveInt | None = None
+    """Examples per lm-eval task (None: all)."""
 
     @field_validator("tasks")
     @classmethod

@@ -73,11 +73,11 @@ def our_answerer(model: Transformer, eos: int | None) -> Answerer:
     return answer
 
 
-def hf_answerer(folder, eos: int | None) -> Answerer:
+def hf_answerer(folder, eos: int | None, dtype: torch.dtype = torch.float32) -> Answerer:
     """Greedy decoding with transformers on an HF export of the checkpoint."""
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype).eval()
     if torch.cuda.is_available():
         hf = hf.cuda()
 

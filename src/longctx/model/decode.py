@@ -22,9 +22,17 @@ class LayerCache:
         self.k_before: torch.Tensor | None = None
         self.v_before: torch.Tensor | None = None
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_f: torch.Tensor | None) -> torch.Tensor:
-        """Append k, v (and the gates) and attend the new queries over everything cached."""
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_f: torch.Tensor | None,
+               backend=None) -> torch.Tensor:
+        """Append k, v (and the gates) and attend the new queries over everything cached. The
+        prompt (an empty cache) goes through the model's attention backend (`backend`): no
+        prompt x prompt score matrix."""
         n = q.shape[0]
+        if self.k is None and backend is not None and n > 1:
+            self.k, self.v = k, v
+            if log_f is not None:
+                self.lam = log_f.float().cumsum(0)
+            return backend(q, k, v, torch.tensor([0, n], dtype=torch.int32, device=q.device), log_f)
         self.k = k if self.k is None else torch.cat((self.k, k))
         self.v = v if self.v is None else torch.cat((self.v, v))
         total = self.k.shape[0]

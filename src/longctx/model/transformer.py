@@ -116,7 +116,7 @@ class Attention(nn.Module):
         # one dtype for the kernels: under autocast, RoPE tables and norms come out in fp32
         q, k = q.to(v.dtype), k.to(v.dtype)
         if cache is not None:
-            o = cache.attend(q, k, v, log_f)
+            o = cache.attend(q, k, v, log_f, ctx.attend)
         else:
             o = ctx.attend(q, k, v, ctx.cu_seqlens, log_f)
         if self.fox and self.fox.output_norm:
