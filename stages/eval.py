@@ -93,6 +93,7 @@ def run(cfg: Config, root: Path) -> None:
                 raise DataError(f"{TOKENS / 'tokenizer'}: no chat template to evaluate the SFT checkpoint with")
             enc = suite.Encoder(tok, chat)
             prompts = suite.build_prompts(enc, ec.tasks, lengths, ec.samples, ec.depths, ec.seed, haystack)
+            prompts += _helmet_prompts(enc, ec, lengths, name, results)
             answer = (suite.hf_answerer(folder / "hf", enc.eos()) if ec.backend == "transformers"
                       else suite.our_answerer(model, enc.eos()))
             rows, speed = suite.run_tasks(answer, enc, prompts, f"eval {name}")
@@ -143,6 +144,29 @@ def _perplexities(model, name: str, data: PackedDataset, tok, ec, results: dict,
             results["skipped"].append({"checkpoint": name, "task": "needle_ppl", "length": n, "reason": str(e)})
             continue
         results["needle_ppl"][name][n] = needle.perplexity(needle.needle_nll(model, seqs))
+
+
+def _helmet_prompts(enc, ec, lengths: list[int], name: str, results: dict) -> list:
+    """HELMET dataset prompts; a dataset that cannot be loaded is skipped with the reason."""
+    from longctx.eval import helmet
+    from longctx.eval.tasks import Budget
+
+    out = []
+    for ds_name, spec in ec.helmet.items():
+        src = helmet.Source(spec.kind, spec.path, spec.split, dict(spec.fields))
+        try:
+            rows = helmet.load_rows(src, spec.limit)
+        except DataError as e:
+            results["skipped"].append({"checkpoint": name, "task": f"helmet:{ds_name}", "reason": str(e)[:300]})
+            continue
+        for length in lengths:
+            for i in range(ec.samples):
+                rng = np.random.default_rng([ec.seed, length, i, len(ds_name)])
+                out.append(helmet.build(src, rows, Budget(enc.count, length, reserve=24), rng,
+                                        ec.depths[i % len(ec.depths)], ds_name))
+        if spec.kind in helmet.JUDGED:
+            results["not_computed"][f"helmet:{ds_name}"] = helmet.JUDGED[spec.kind]
+    return out
 
 
 def _lm_eval(model, tok, name: str, ec, results: dict) -> None:

@@ -41,7 +41,7 @@ SMALL = {
     }},
     "model": {"d_model": 32, "n_layers": 2, "n_heads": 4, "ffn_dim": 64, "max_position_embeddings": 256},
     "eval": {"lengths": [256, 512], "samples": 1, "depths": [0.5], "position_sequences": 2, "needle_sequences": 2,
-             "retention_sequences": 4},
+             "retention_sequences": 4, "helmet": {"nq": {"kind": "rag", "path": "helmet/nq.jsonl"}}},
     "rope_search": {"target_length": 512, "population": 6, "generations": 2, "sequences": 2, "table_sequences": 2},
     "train": {
         "base": {"steps": 4, "micro_batch": 2, "val_sequences": 4, "checkpoint_every": 2},

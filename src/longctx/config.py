@@ -286,6 +286,18 @@ class RopeSearchConfig(Strict):
 # ---------------------------------------------------------------- eval
 
 
+class HelmetSource(Strict):
+    """One HELMET dataset: its kind, where its rows are (hub id, directory or JSON/JSONL file)."""
+
+    kind: Literal["icl", "rag", "rerank", "narrativeqa", "summ"]
+    path: str
+    split: str = "test"
+    fields: dict[str, str] = {}
+    """Our field name -> the dataset's, e.g. {label: coarse_label} for TREC."""
+    limit: PositiveInt | None = 2000
+    """Rows read (ICL demonstrations are drawn from them)."""
+
+
 class EvalConfig(Strict):
     """The `eval` stage: every checkpoint the pipeline made, the same prompts for all."""
 
@@ -307,6 +319,8 @@ class EvalConfig(Strict):
     """Short validation sequences for short-context perplexity."""
     retention_split: str | None = None
     """Packed split whose validation part measures retention; default the base split if any."""
+    helmet: dict[str, HelmetSource] = {}
+    """HELMET dataset categories by name (e.g. trec, banking77, nq, msmarco, narrativeqa)."""
     lm_eval_tasks: list[str] = []
     """lm-eval-harness tasks for short-context retention (real profiles: hellaswag, arc_challenge,
     winogrande, mmlu, gsm8k); their datasets must be reachable (hub cache or local)."""

@@ -6,6 +6,7 @@ with, the gold answers and the metric of its source:
   all        the fraction of gold strings that appear in the output (RULER's string_match_all;
              1.0 means all gold present)
   accuracy   the output's first integer equals the gold label (HELMET ICL)
+  any        any gold string appears (HELMET RAG); ndcg10 and rouge_l: see helmet.py
 Lengths are in tokens of the evaluated model's tokenizer: the filler (noise sentences, real
 validation text, JSON pairs, list words, demonstrations) grows until the prompt reaches it.
 """
@@ -48,10 +49,16 @@ class Prompt:
 def score(prompt: Prompt, output: str) -> float:
     if prompt.metric == "substring":
         return float(prompt.gold[0] in output)
+    if prompt.metric == "any":
+        return float(any(g in output for g in prompt.gold))
     if prompt.metric == "all":
         return sum(g in output for g in prompt.gold) / len(prompt.gold)
-    found = re.search(r"-?\d+", output)
-    return float(found is not None and found.group() == prompt.gold[0])
+    if prompt.metric == "accuracy":
+        found = re.search(r"-?\d+", output)
+        return float(found is not None and found.group() == prompt.gold[0])
+    from .helmet import ndcg10, rouge_l
+
+    return {"ndcg10": ndcg10, "rouge_l": rouge_l}[prompt.metric](prompt, output)
 
 
 # ---------------------------------------------------------------- filling to a token length

@@ -155,7 +155,24 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False), torch.compile(create_block_mask)
 
 
+FLEX_BUCKET = 2048
+"""Flex kernels are compiled per length; other lengths (prompts) are padded up to a multiple of
+this, the padding being one more document, so a few compilations serve every length."""
+
+
 def flex(q, k, v, cu_seqlens, log_f=None, scale=None):
+    n = q.shape[0]
+    if pad := -n % FLEX_BUCKET:
+        def grow(t):
+            return torch.cat((t, t.new_zeros(pad, *t.shape[1:])))
+
+        cu = torch.cat((cu_seqlens, cu_seqlens.new_tensor([n + pad])))
+        out = _flex(grow(q), grow(k), grow(v), cu, None if log_f is None else grow(log_f), scale)
+        return out[:n]
+    return _flex(q, k, v, cu_seqlens, log_f, scale)
+
+
+def _flex(q, k, v, cu_seqlens, log_f=None, scale=None):
     attend, block_mask_of = _compiled_flex()
     n = q.shape[0]
     doc = _doc_ids(cu_seqlens, n)
