@@ -68,6 +68,35 @@ def stage_process(project: Path, name: str, overrides: dict) -> subprocess.Compl
                           text=True, timeout=600)
 
 
+GIT_ENV = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.com", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@example.com"}
+
+
+def sh(args: list[str], cwd: Path, env: dict) -> str:
+    proc = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"{args} failed:\n{proc.stdout}\n{proc.stderr}"
+    return proc.stdout + proc.stderr
+
+
+def dvc_workspace(ws: Path, params: dict) -> dict:
+    """A clone-like git + DVC workspace of the project's tracked files with these params; returns
+    the environment to run its stages with."""
+    if shutil.which("dvc") is None:
+        pytest.fail("dvc is not installed (it is a project dependency)")
+    files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    for f in files:
+        if (REPO / f).is_file():
+            (ws / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / f, ws / f)
+    (ws / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    env = {**os.environ, **GIT_ENV, "PYTHONPATH": f"{ws / 'src'}{os.pathsep}{ws}"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    sh(["git", "init", "-q"], ws, env)
+    sh(["git", "add", "-A"], ws, env)
+    sh(["git", "commit", "-qm", "init"], ws, env)
+    return env
+
+
 def run_stages(folder: Path, names: list[str], overrides: dict | None = None) -> None:
     """Run stages in-process from `folder` (the stages use paths relative to the project root)."""
     from longctx import config

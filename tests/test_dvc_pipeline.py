@@ -4,43 +4,19 @@ one stage's params reruns that stage alone."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 
-from conftest import REPO, SMALL
-
-GIT_ENV = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.com", "GIT_COMMITTER_NAME": "t",
-           "GIT_COMMITTER_EMAIL": "t@example.com"}
-
-
-def sh(args: list[str], cwd: Path, env: dict) -> str:
-    proc = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, f"{args} failed:\n{proc.stdout}\n{proc.stderr}"
-    return proc.stdout + proc.stderr
+from conftest import SMALL, dvc_workspace, sh
 
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory) -> tuple[Path, dict]:
-    if shutil.which("dvc") is None:
-        pytest.fail("dvc is not installed (it is a project dependency)")
     ws = tmp_path_factory.mktemp("dvc") / "ws"
-    files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
-    for f in files:
-        if (REPO / f).is_file():
-            (ws / f).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(REPO / f, ws / f)
-    (ws / "params.yaml").write_text(yaml.safe_dump(SMALL, sort_keys=False))
-    env = {**os.environ, **GIT_ENV, "PYTHONPATH": f"{ws / 'src'}{os.pathsep}{ws}"}
-    env.pop("MLFLOW_TRACKING_URI", None)
-    sh(["git", "init", "-q"], ws, env)
+    env = dvc_workspace(ws, SMALL)
     assert (ws / ".dvc/config").is_file()  # a clone is a DVC repo as it is
-    sh(["git", "add", "-A"], ws, env)
-    sh(["git", "commit", "-qm", "init"], ws, env)
     return ws, env
 
 

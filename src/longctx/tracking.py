@@ -17,9 +17,22 @@ from typing import Any
 from .config import TrackingConfig
 
 MAX_PARAM_CHARS = 6000
+PARENT_ENV = "LONGCTX_MLFLOW_PARENT_RUN"
+"""The pipeline's MLflow run id, set by the Prefect flow for the stages it starts."""
+
+
+def workspace_root(root: Path) -> Path:
+    """The user's workspace: `dvc exp run --temp` and queued experiments run the stages in a copy
+    under <workspace>/.dvc/tmp/exps/; their runs belong in the workspace's store, not the copy's."""
+    parts = root.resolve().parts
+    for i in range(len(parts) - 3):
+        if parts[i:i + 3] == (".dvc", "tmp", "exps"):
+            return Path(*parts[:i])
+    return root
 
 
 def tracking_uri(cfg: TrackingConfig, root: Path) -> str:
+    root = workspace_root(root)
     if os.environ.get("MLFLOW_TRACKING_URI"):
         return os.environ["MLFLOW_TRACKING_URI"]
     if cfg.uri:
@@ -71,13 +84,18 @@ def stage_run(cfg: TrackingConfig, root: Path, stage: str, params: dict[str, Any
     mlflow.set_tracking_uri(tracking_uri(cfg, root))
     exp = mlflow.get_experiment_by_name(cfg.experiment)
     if exp is None:
-        exp_id = mlflow.create_experiment(cfg.experiment, artifact_location=(root / "mlartifacts").resolve().as_uri())
+        store = workspace_root(root) / "mlartifacts"
+        exp_id = mlflow.create_experiment(cfg.experiment, artifact_location=store.resolve().as_uri())
     else:
         exp_id = exp.experiment_id
     tags = {"longctx.stage": stage}
     if commit := _git_commit(root):
         tags["git.commit"] = commit
-    with mlflow.start_run(experiment_id=exp_id, run_name=stage, tags=tags):
+    if os.environ.get("DVC_EXP_NAME"):
+        tags["dvc.experiment"] = os.environ["DVC_EXP_NAME"]
+    # under the Prefect pipeline each stage is a child of the pipeline run's MLflow run
+    parent = os.environ.get(PARENT_ENV)
+    with mlflow.start_run(experiment_id=exp_id, run_name=stage, tags=tags, parent_run_id=parent):
         items = [(k, str(v)[:MAX_PARAM_CHARS]) for k, v in params.items()]
         for i in range(0, len(items), 100):
             mlflow.log_params(dict(items[i:i + 100]))

@@ -1,0 +1,1 @@
+"""Prefect flows and deployments that drive the DVC pipeline."""

@@ -1,0 +1,202 @@
+"""Prefect flows over the DVC pipeline.
+
+`longctx-pipeline` runs one Prefect task per DVC stage (`dvc repro <stage>`, so DVC decides what
+is stale) in dependency order, streams each stage's output into the Prefect logs, opens one MLflow
+parent run named after the flow run (every stage's run is its child, tagged with its dvc.lock
+hash), and publishes a Markdown artifact of the stages' metrics. GPU stages take a slot of the
+`longctx-gpu` global concurrency limit and a GPU (CUDA_VISIBLE_DEVICES) from LONGCTX_GPUS.
+A workspace lock refuses a second pipeline run on the same workspace while one is running.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+import yaml
+from prefect import flow, get_run_logger, task
+from prefect.artifacts import create_markdown_artifact
+from prefect.concurrency.sync import concurrency
+from prefect.runtime import flow_run
+
+STAGES = ["corpora", "tokenize", "pack", "base", "rope_search", "pretrain", "sft", "eval"]
+GPU_STAGES = {"base", "rope_search", "pretrain", "sft", "eval"}
+GPU_LIMIT = "longctx-gpu"
+
+
+class StageFailed(RuntimeError):
+    """A stage exited non-zero; the message is its own error output."""
+
+
+@contextmanager
+def workspace_lock(workspace: Path):
+    """One pipeline run per workspace at a time: a second one is refused, not queued."""
+    path = workspace / ".dvc" / "tmp" / "longctx-pipeline.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a+") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.seek(0)
+            raise RuntimeError(f"{workspace}: another longctx pipeline run holds this workspace "
+                               f"({fh.read().strip() or 'unknown run'}); wait for it or use another clone") from None
+        fh.seek(0)
+        fh.truncate()
+        fh.write(f"flow run {flow_run.get_name() or '?'} (pid {os.getpid()})\n")
+        fh.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+@contextmanager
+def gpu_slot(stage: str):
+    """A GPU for a GPU stage: a slot of the global limit (when the server has one) and one of
+    LONGCTX_GPUS (comma-separated ids) by a per-GPU file lock; nothing for CPU stages."""
+    if stage not in GPU_STAGES:
+        yield {}
+        return
+    with concurrency(GPU_LIMIT, occupy=1, strict=False):
+        gpus = [g for g in os.environ.get("LONGCTX_GPUS", "").split(",") if g]
+        if not gpus:
+            yield {}
+            return
+        lock_dir = Path(os.environ.get("LONGCTX_GPU_LOCKS", "/tmp/longctx-gpu-locks"))
+        lock_dir.mkdir(parents=True, exist_ok=True)
+        while True:
+            for g in gpus:
+                fh = (lock_dir / f"gpu{g}.lock").open("a")
+                try:
+                    fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    fh.close()
+                    continue
+                try:
+                    yield {"CUDA_VISIBLE_DEVICES": g}
+                finally:
+                    fcntl.flock(fh, fcntl.LOCK_UN)
+                    fh.close()
+                return
+            import time
+
+            time.sleep(5)
+
+
+def lock_hash(workspace: Path, stage: str) -> str | None:
+    lock = workspace / "dvc.lock"
+    if not lock.is_file():
+        return None
+    entry = (yaml.safe_load(lock.read_text()) or {}).get("stages", {}).get(stage)
+    return hashlib.md5(json.dumps(entry, sort_keys=True).encode()).hexdigest() if entry else None
+
+
+@task(retries=1, retry_delay_seconds=10, retry_condition_fn=lambda task, run, state: _transient(state))
+def run_stage(workspace: str, stage: str, parent_run: str | None, tracking_uri: str) -> dict:
+    """`dvc repro <stage>` with its output streamed into the Prefect log; the stage's metrics."""
+    log = get_run_logger()
+    ws = Path(workspace)
+    with gpu_slot(stage) as extra:
+        env = {**os.environ, **extra, "MLFLOW_TRACKING_URI": tracking_uri, "DVC_NO_ANALYTICS": "1"}
+        if parent_run:
+            env["LONGCTX_MLFLOW_PARENT_RUN"] = parent_run
+        proc = subprocess.Popen(["dvc", "repro", stage], cwd=ws, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, bufsize=1)
+        tail: list[str] = []
+        for line in proc.stdout:
+            line = line.rstrip("\n").split("\r")[-1]  # progress bars: keep their last state
+            if line:
+                log.info("%s | %s", stage, line)
+                tail = (tail + [line])[-40:]
+        code = proc.wait()
+    if code != 0:
+        errors = [t for t in tail if "error" in t.lower()] or tail[-10:]
+        raise StageFailed(f"stage {stage} failed (exit {code}):\n" + "\n".join(errors))
+    metrics = ws / "metrics" / f"{stage}.json"
+    return json.loads(metrics.read_text()) if metrics.is_file() else {}
+
+
+def _transient(state) -> bool:
+    """Retry infrastructure hiccups, never a stage that failed on its own terms."""
+    try:
+        state.result()
+    except StageFailed:
+        return False
+    except Exception:
+        return True
+    return False
+
+
+def _summary(results: dict[str, dict]) -> str:
+    lines = ["| stage | key metrics |", "|---|---|"]
+    for stage, metrics in results.items():
+        flat = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
+        if not flat and "summary" in metrics:
+            flat = {k: v for k, v in metrics["summary"].items() if isinstance(v, (int, float))}
+        shown = ", ".join(f"{k}={v:.4g}" for k, v in list(flat.items())[:6]) or "see metrics/" + stage + ".json"
+        lines.append(f"| {stage} | {shown} |")
+    return "\n".join(lines)
+
+
+@flow(name="longctx-pipeline", log_prints=True)
+def pipeline(workspace: str = ".", stages: list[str] | None = None) -> dict[str, dict]:
+    """Run the DVC stages in order (all by default); a failed stage fails the flow with its error."""
+    ws = Path(workspace).resolve()
+    chosen = [s for s in STAGES if stages is None or s in stages]
+    tracking_uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{ws / 'mlflow.db'}"
+    with workspace_lock(ws):
+        parent = _parent_run(ws, tracking_uri)
+        results = {}
+        try:
+            for stage in chosen:
+                results[stage] = run_stage(str(ws), stage, parent, tracking_uri)
+                _tag_child(tracking_uri, parent, stage, lock_hash(ws, stage))
+        finally:
+            _end_parent(tracking_uri, parent, ok=len(results) == len(chosen))
+            create_markdown_artifact(_summary(results), key="longctx-stages",
+                                     description=f"stage metrics of {ws}")
+    return results
+
+
+def _parent_run(ws: Path, uri: str) -> str | None:
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    mlflow.set_tracking_uri(uri)
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name("longctx")
+    exp_id = exp.experiment_id if exp else client.create_experiment(
+        "longctx", artifact_location=(ws / "mlartifacts").as_uri())
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ws, capture_output=True, text=True).stdout.strip()
+    run = client.create_run(exp_id, run_name=flow_run.get_name() or "pipeline",
+                            tags={"longctx.stage": "pipeline", "git.commit": commit or "none",
+                                  "prefect.flow_run_id": str(flow_run.get_id() or "")})
+    return run.info.run_id
+
+
+def _tag_child(uri: str, parent: str | None, stage: str, digest: str | None) -> None:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    runs = client.search_runs([client.get_run(parent).info.experiment_id],
+                              filter_string=f"tags.mlflow.parentRunId = '{parent}' and tags.`longctx.stage` = '{stage}'")
+    for r in runs:
+        if digest:
+            client.set_tag(r.info.run_id, "dvc.lock_md5", digest)
+
+
+def _end_parent(uri: str, parent: str | None, ok: bool) -> None:
+    from mlflow.tracking import MlflowClient
+
+    if parent:
+        MlflowClient(uri).set_terminated(parent, "FINISHED" if ok else "FAILED")
+
+
+if __name__ == "__main__":
+    pipeline(sys.argv[1] if len(sys.argv) > 1 else ".")

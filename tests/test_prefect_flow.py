@@ -1,0 +1,69 @@
+"""The Prefect pipeline flow on the smallest profile (prefect_test_harness, real DVC, real MLflow):
+a failing stage fails the flow with its own error, the rerun after the fix skips what DVC already
+made, MLflow holds one parent run per flow run with the stages as children, and a second run on
+a busy workspace is refused."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+
+import pytest
+import yaml
+from mlflow.tracking import MlflowClient
+from prefect.testing.utilities import prefect_test_harness
+
+from conftest import SMALL, dvc_workspace
+from pipelines.flows import STAGES, StageFailed, pipeline
+
+
+@pytest.fixture(scope="module")
+def harness():
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+def children(client: MlflowClient, parent) -> dict[str, str]:
+    runs = client.search_runs([parent.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+    return {r.info.run_name: r.info.status for r in runs}
+
+
+def test_failure_then_resume_and_mlflow_parent_runs(tmp_path, monkeypatch, harness):
+    ws = tmp_path / "ws"
+    bad = {**SMALL, "eval": {**SMALL["eval"], "lengths": [100_000]}}
+    env = dvc_workspace(ws, bad)
+    monkeypatch.setenv("PYTHONPATH", env["PYTHONPATH"])
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+
+    # a second run on a workspace whose lock is held is refused before doing anything
+    lock = ws / ".dvc/tmp/longctx-pipeline.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with lock.open("a+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        with pytest.raises(RuntimeError, match="another longctx pipeline run holds this workspace"):
+            pipeline(str(ws))
+        fcntl.flock(fh, fcntl.LOCK_UN)
+    assert not (ws / "data").exists()
+
+    state = pipeline(str(ws), return_state=True)
+    assert state.is_failed()
+    with pytest.raises(StageFailed, match=r"eval.lengths: \[100000\] exceed every checkpoint's window"):
+        state.result()
+    client = MlflowClient(f"sqlite:///{ws / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("longctx")
+    parents = client.search_runs([exp.experiment_id], filter_string="tags.`longctx.stage` = 'pipeline'")
+    assert len(parents) == 1 and parents[0].info.status == "FAILED"
+    first = children(client, parents[0])
+    # eval refused its params before opening a run; everything before it finished
+    assert first == {s: "FINISHED" for s in STAGES if s != "eval"}
+    tagged = client.search_runs([exp.experiment_id], filter_string="tags.`longctx.stage` = 'sft'")
+    assert tagged[0].data.tags["dvc.lock_md5"] and tagged[0].data.tags["git.commit"]
+
+    (ws / "params.yaml").write_text(yaml.safe_dump(SMALL, sort_keys=False))  # the fix
+    results = pipeline(str(ws))
+    assert set(results) == set(STAGES) and results["eval"]["tasks"]
+    parents = client.search_runs([exp.experiment_id], filter_string="tags.`longctx.stage` = 'pipeline'",
+                                 order_by=["attributes.start_time DESC"])
+    assert len(parents) == 2 and parents[0].info.status == "FINISHED"
+    assert children(client, parents[0]) == {"eval": "FINISHED"}  # DVC skipped the finished stages
+    assert os.path.isfile(ws / "metrics/eval.json")
