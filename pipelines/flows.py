@@ -198,5 +198,77 @@ def _end_parent(uri: str, parent: str | None, ok: bool) -> None:
         MlflowClient(uri).set_terminated(parent, "FINISHED" if ok else "FAILED")
 
 
+@task
+def queue_and_run(workspace: str, grid: dict[str, list], jobs: int, tracking_uri: str) -> list[dict]:
+    """Queue one `dvc exp run -S ...` per grid point, run the queue, return each experiment's
+    name, params and metrics (from `dvc exp show --json`)."""
+    import itertools
+
+    log = get_run_logger()
+    ws = Path(workspace)
+    env = {**os.environ, "MLFLOW_TRACKING_URI": tracking_uri, "DVC_NO_ANALYTICS": "1"}
+    keys = list(grid)
+    for values in itertools.product(*(grid[k] for k in keys)):
+        sets = [a for k, v in zip(keys, values, strict=True) for a in ("-S", f"{k}={json.dumps(v)}")]
+        out = subprocess.run(["dvc", "exp", "run", "--queue", *sets], cwd=ws, env=env, capture_output=True, text=True)
+        if out.returncode:
+            raise StageFailed(f"dvc exp run --queue {' '.join(sets)} failed:\n{out.stderr[-2000:]}")
+        log.info("queued %s", " ".join(sets))
+    done = subprocess.run(["dvc", "exp", "run", "--run-all", "-j", str(jobs)], cwd=ws, env=env,
+                          capture_output=True, text=True)
+    for line in (done.stdout + done.stderr).splitlines()[-50:]:
+        log.info("sweep | %s", line)
+    if done.returncode:
+        raise StageFailed(f"dvc exp run --run-all failed:\n{done.stderr[-3000:]}")
+    shown = json.loads(subprocess.run(["dvc", "exp", "show", "--json"], cwd=ws, env=env, capture_output=True,
+                                      text=True, check=True).stdout)
+    return _experiments(shown)
+
+
+def _experiments(shown: list[dict]) -> list[dict]:
+    """Name, params and metrics of every experiment in `dvc exp show --json` output."""
+    out = []
+    for commit in shown:
+        for exp in commit.get("experiments") or []:
+            for rev in exp.get("revs") or []:
+                data = rev.get("data") or {}
+                params = (data.get("params") or {}).get("params.yaml", {}).get("data", {})
+                metrics = {f: m.get("data", {}) for f, m in (data.get("metrics") or {}).items()}
+                out.append({"name": rev.get("name") or exp.get("name"), "params": params, "metrics": metrics})
+    return out
+
+
+@flow(name="longctx-sweep", log_prints=True)
+def sweep(workspace: str = ".", grid: dict[str, list] | None = None, jobs: int = 1) -> list[dict]:
+    """Queue and run DVC experiments over a param grid (e.g. RoPE method x long/short ratio);
+    publish a comparison table (Prefect artifact; MLflow runs carry each experiment's name)."""
+    ws = Path(workspace).resolve()
+    grid = grid or {"train.pretrain.factors": [None, "search"]}
+    uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{ws / 'mlflow.db'}"
+    with workspace_lock(ws):
+        exps = queue_and_run(str(ws), grid, jobs, uri)
+    keys = list(grid)
+    lines = ["| experiment | " + " | ".join(keys) + " | eval mean score | pretrain val loss |",
+             "|---" * (len(keys) + 3) + "|"]
+    for e in exps:
+        values = [str(_lookup(e["params"], k)) for k in keys]
+        ev = e["metrics"].get("metrics/eval.json", {}).get("tasks", {})
+        scores = [v for by in ev.values() for t in by.values() for v in t.values()]
+        pre = e["metrics"].get("metrics/pretrain.json", {})
+        val = [v.get("val_loss") for v in pre.values() if isinstance(v, dict)]
+        lines.append(f"| {e['name']} | " + " | ".join(values) +
+                     f" | {sum(scores) / len(scores) if scores else float('nan'):.4f} | {val[-1] if val else 'n/a'} |")
+    create_markdown_artifact("\n".join(lines), key="longctx-sweep", description=f"experiments of {ws}")
+    return exps
+
+
+def _lookup(tree: dict, dotted: str):
+    for part in dotted.split("."):
+        if not isinstance(tree, dict) or part not in tree:
+            return None
+        tree = tree[part]
+    return tree
+
+
 if __name__ == "__main__":
     pipeline(sys.argv[1] if len(sys.argv) > 1 else ".")
