@@ -1,0 +1,45 @@
+"""The main command: `python -m pipelines [WORKSPACE]` runs the whole pipeline (corpora to eval)
+through the Prefect flow, then prints each checkpoint's key scores and how to open MLflow."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from .flows import pipeline
+
+
+def summary(ws: Path) -> str:
+    ev = json.loads((ws / "metrics" / "eval.json").read_text())
+    lengths = sorted({int(n) for by_task in ev["tasks"].values() for by in by_task.values() for n in by})
+    head = ["checkpoint", *[f"tasks@{n}" for n in lengths], "ppl@longest", "needle ppl@longest", "short ppl"]
+    rows = [head]
+    for ckpt, by_task in ev["tasks"].items():
+        cells = [ckpt]
+        for n in lengths:
+            vals = [by[str(n)] for by in by_task.values() if str(n) in by]
+            cells.append(f"{sum(vals) / len(vals):.3f}" if vals else "skipped")
+        ppl, needle = ev["ppl_by_length"].get(ckpt, {}), ev["needle_ppl"].get(ckpt, {})
+        top = max(ppl, key=int) if ppl else None
+        cells += [f"{ppl[top]:.1f}" if top else "n/a", f"{needle[top]:.1f}" if top in needle else "n/a",
+                  f"{ev['retention_ppl'][ckpt]:.1f}" if ckpt in ev["retention_ppl"] else "n/a"]
+        rows.append(cells)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    return "\n".join("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+                     for r in rows)
+
+
+def main() -> None:
+    ws = Path(sys.argv[1] if len(sys.argv) > 1 else ".").resolve()
+    start = time.perf_counter()
+    pipeline(str(ws))
+    print(f"\nlongctx pipeline finished in {time.perf_counter() - start:.0f} s\n")
+    print(summary(ws))
+    print("\nppl@longest: the longest length with validation documents (all of it in metrics/eval.json)")
+    print(f"open the runs:  mlflow ui --backend-store-uri sqlite:///{ws / 'mlflow.db'}")
+
+
+if __name__ == "__main__":
+    main()
