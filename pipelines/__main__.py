@@ -4,11 +4,18 @@ through the Prefect flow, then prints each checkpoint's key scores and how to op
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
-from .flows import pipeline
+# without a Prefect server, the flow starts a temporary one; a loaded 2-core machine needs longer
+# than the default 20 s, and telemetry is of no use here
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("DVC_NO_ANALYTICS", "1")
+
+from .flows import pipeline  # noqa: E402
 
 
 def summary(ws: Path) -> str:
