@@ -110,8 +110,8 @@ def run_stage(workspace: str, stage: str, parent_run: str | None, tracking_uri: 
                                 stderr=subprocess.STDOUT, text=True, bufsize=1)
         tail: list[str] = []
         for line in proc.stdout:
-            line = line.rstrip("\n").split("\r")[-1]  # progress bars: keep their last state
-            if line:
+            line = line.rstrip("\n").split("\r")[-1]
+            if line and ("%|" not in line or "100%|" in line):  # progress bars: only their end
                 log.info("%s | %s", stage, line)
                 tail = (tail + [line])[-40:]
         code = proc.wait()
@@ -155,7 +155,9 @@ def pipeline(workspace: str = ".", stages: list[str] | None = None) -> dict[str,
         results = {}
         try:
             for stage in chosen:
-                results[stage] = run_stage(str(ws), stage, parent, tracking_uri)
+                tags = ["gpu"] if stage in GPU_STAGES else ["cpu"]
+                results[stage] = run_stage.with_options(tags=tags, task_run_name=f"dvc repro {stage}")(
+                    str(ws), stage, parent, tracking_uri)
                 _tag_child(tracking_uri, parent, stage, lock_hash(ws, stage))
         finally:
             _end_parent(tracking_uri, parent, ok=len(results) == len(chosen))
@@ -258,8 +260,24 @@ def sweep(workspace: str = ".", grid: dict[str, list] | None = None, jobs: int =
         val = [v.get("val_loss") for v in pre.values() if isinstance(v, dict)]
         lines.append(f"| {e['name']} | " + " | ".join(values) +
                      f" | {sum(scores) / len(scores) if scores else float('nan'):.4f} | {val[-1] if val else 'n/a'} |")
-    create_markdown_artifact("\n".join(lines), key="longctx-sweep", description=f"experiments of {ws}")
+    table = "\n".join(lines)
+    create_markdown_artifact(table, key="longctx-sweep", description=f"experiments of {ws}")
+    _log_comparison(uri, table)
     return exps
+
+
+def _log_comparison(uri: str, table: str) -> None:
+    """The comparison as an MLflow run of its own (the experiments' runs carry dvc.experiment tags)."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name("longctx")
+    if exp is None:
+        return
+    run = client.create_run(exp.experiment_id, run_name=f"sweep {flow_run.get_name() or ''}".strip(),
+                            tags={"longctx.stage": "sweep"})
+    client.log_text(run.info.run_id, table, "sweep_comparison.md")
+    client.set_terminated(run.info.run_id)
 
 
 def _lookup(tree: dict, dotted: str):

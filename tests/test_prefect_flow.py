@@ -13,8 +13,8 @@ import yaml
 from mlflow.tracking import MlflowClient
 from prefect.testing.utilities import prefect_test_harness
 
-from conftest import SMALL, dvc_workspace
-from pipelines.flows import STAGES, StageFailed, pipeline
+from conftest import SMALL, dvc_workspace, sh
+from pipelines.flows import STAGES, StageFailed, pipeline, sweep
 
 
 @pytest.fixture(scope="module")
@@ -67,3 +67,14 @@ def test_failure_then_resume_and_mlflow_parent_runs(tmp_path, monkeypatch, harne
     assert len(parents) == 2 and parents[0].info.status == "FINISHED"
     assert children(client, parents[0]) == {"eval": "FINISHED"}  # DVC skipped the finished stages
     assert os.path.isfile(ws / "metrics/eval.json")
+
+    # a sweep from the committed pipeline: each DVC experiment reruns what its params touch (eval)
+    sh(["git", "add", "-A"], ws, env)
+    sh(["git", "commit", "-qm", "pipeline run"], ws, env)
+    exps = sweep(str(ws), grid={"eval.samples": [2]})
+    assert len(exps) == 1 and exps[0]["params"]["eval"]["samples"] == 2
+    assert len(exps[0]["metrics"]["metrics/eval.json"]["tasks"]) == 4
+    runs = client.search_runs([exp.experiment_id], filter_string=f"tags.`dvc.experiment` = '{exps[0]['name']}'")
+    assert {r.info.run_name for r in runs} == {"eval"}
+    table = client.search_runs([exp.experiment_id], filter_string="tags.`longctx.stage` = 'sweep'")
+    assert len(table) == 1 and "sweep_comparison.md" in {a.path for a in client.list_artifacts(table[0].info.run_id)}
