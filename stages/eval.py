@@ -15,7 +15,7 @@ from longctx.data.tokenizer import TextTokenizer
 from longctx.errors import ConfigError, DataError
 from longctx.eval import needle, suite
 from longctx.io import atomic_dir, write_json
-from longctx.model.transformer import Transformer
+from longctx.model.hf import native_config
 from longctx.tracking import stage_run
 from longctx.train.models import load_model
 
@@ -51,23 +51,18 @@ def retention_split(cfg: Config) -> PackedDataset | None:
     return PackedDataset(PACKED / name / "val") if name else None
 
 
-def window(model: Transformer) -> int | None:
-    """The longest context a checkpoint is meant for: its RoPE window; FoX has none."""
-    return model.cfg.max_position_embeddings if model.cfg.rope is not None else None
-
-
 def run(cfg: Config, root: Path) -> None:
     """Evaluate every checkpoint with the same prompts."""
     ec = cfg.eval
     ckpts = checkpoints(cfg)
     tok = TextTokenizer.load(TOKENS / "tokenizer")
     windows = {}
-    for name, folder in ckpts.items():  # check every checkpoint before evaluating any
-        model = load_model(folder, cfg.model.attention_backend)
-        if tok.vocab_size > model.cfg.vocab_size:
+    for name, folder in ckpts.items():  # check every checkpoint (its config) before evaluating any
+        mcfg = native_config(folder)
+        if tok.vocab_size > mcfg.vocab_size:
             raise DataError(f"{TOKENS / 'tokenizer'}: {tok.vocab_size} tokens but checkpoint {folder} has a "
-                            f"vocabulary of {model.cfg.vocab_size}: the tokenizer does not match the checkpoint")
-        windows[name] = window(model)
+                            f"vocabulary of {mcfg.vocab_size}: the tokenizer does not match the checkpoint")
+        windows[name] = mcfg.max_position_embeddings if mcfg.rope is not None else None
     longest = max(w or 10**9 for w in windows.values())
     too_long = [n for n in ec.lengths if n > longest]
     if too_long:
@@ -83,7 +78,7 @@ def run(cfg: Config, root: Path) -> None:
     with stage_run(cfg.tracking, root, "eval", flat(ec, "eval")) as tracker:
         for name, folder in ckpts.items():
             model = load_model(folder, cfg.model.attention_backend).to(device).eval()
-            limit = window(model)
+            limit = windows[name]
             lengths = [n for n in ec.lengths if limit is None or n <= limit]
             for n in sorted(set(ec.lengths) - set(lengths)):
                 results["skipped"].append({"checkpoint": name, "length": n,

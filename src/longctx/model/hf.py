@@ -179,19 +179,23 @@ def save_native(model: Transformer, folder: str | Path, shard_bytes: int = SHARD
     _save_weights(model, folder, "", shard_bytes)
 
 
-def load_native(folder: str | Path, dtype: torch.dtype = torch.float32, attention_backend: str = "auto") -> Transformer:
-    folder = Path(folder)
-    path = folder / "longctx_config.json"
+def native_config(folder: str | Path) -> ModelConfig:
+    """A checkpoint's model config, without reading its weights."""
+    path = Path(folder) / "longctx_config.json"
     if not path.is_file():
         raise DataError(f"{path}: not found (not a longctx checkpoint)")
     meta = json.loads(path.read_text())
     if meta.get("format_version") != FORMAT_VERSION:
         raise DataError(f"{path}: format_version {meta.get('format_version')!r}, this longctx reads {FORMAT_VERSION}")
     try:
-        cfg = ModelConfig.model_validate(meta["model"])
+        return ModelConfig.model_validate(meta["model"])
     except ValueError as e:
         raise DataError(f"{path}: model: {e}") from None
-    model = Transformer(cfg, attention_backend).to(dtype)
+
+
+def load_native(folder: str | Path, dtype: torch.dtype = torch.float32, attention_backend: str = "auto") -> Transformer:
+    folder = Path(folder)
+    model = Transformer(native_config(folder), attention_backend).to(dtype)
     load_state(model, {k: v.to(dtype) for k, v in _read_weights(folder).items()}, str(folder))
     return model
 
