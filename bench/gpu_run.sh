@@ -7,7 +7,7 @@ out=${OUT:-bench/results}
 mkdir -p "$out"
 source bench/gpu_env.sh || exit 1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-python3 -m pytest -q -p no:cacheprovider tests/test_gpu_attention.py tests/test_model.py tests/test_decode.py \
+python3 -m pytest -q -p no:cacheprovider tests/test_gpu_attention.py tests/test_fox_kernel.py tests/test_model.py tests/test_decode.py \
   2>&1 | tee "$out/gpu_tests.log"
 tests=${PIPESTATUS[0]}
 python3 bench/model_step.py --out "$out" 2>&1 | tee "$out/model_step.log"

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
@@ -17,6 +18,10 @@ os.environ.setdefault("DVC_NO_ANALYTICS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+if not torch.cuda.is_available():  # Triton kernels run in its interpreter (set before any kernel is defined)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+# one launch configuration per FoX kernel: tuning every test shape would take minutes (bench/attention.py tunes)
+os.environ.setdefault("LONGCTX_FOX_AUTOTUNE", "0")
 
 # The tiny profile scaled down further so a full corpora -> tokenize -> pack run takes seconds.
 SMALL = {

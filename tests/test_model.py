@@ -149,7 +149,7 @@ def test_labels_never_cross_documents_and_follow_the_mask():
 
 def test_backends_say_what_they_cannot_do():
     q, k, v, log_f, cu = qkv(dtype=torch.float32)
-    with pytest.raises(ValueError, match="'varlen' has no forget-gate decay; for FoX use 'flex'"):
+    with pytest.raises(ValueError, match="'varlen' has no forget-gate decay; for FoX use 'fox' or 'flex'"):
         attention.varlen(q, k, v, cu, log_f)
     with pytest.raises(ValueError, match="'flash_attn' takes float16/bfloat16, got torch.float32; use 'sdpa'"):
         attention.flash_attn(q, k, v, cu)

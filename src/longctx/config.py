@@ -204,6 +204,10 @@ class TrainConfig(Strict):
     keep_last: PositiveInt = 2
     loss_chunk: PositiveInt = 2048
     activation_checkpointing: bool = False
+    acp_eps: float | None = Field(default=None, gt=0, lt=1)
+    """Adaptive Computation Pruning of FoX attention: skip tiles whose entries each carry under
+    eps / L of their row (the paper's e^-10 = 4.54e-5). Needs the 'fox' attention backend
+    (CUDA); the pruned fraction is logged per step. None: off."""
     sequence_parallel: PositiveInt = 1
     """Ranks that share each sequence (Ulysses); must divide the world size and the heads."""
 

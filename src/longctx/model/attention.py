@@ -12,6 +12,8 @@ Backends (one signature, chosen by `select`):
   flash_attn  flash_attn_varlen_func (CUDA, when flash-attn is installed); no FoX.
   varlen      torch.nn.attention.varlen.varlen_attn, PyTorch's built-in flash path (CUDA); no FoX.
   flex        FlexAttention with a document block mask and the FoX decay as a score_mod (CUDA).
+  fox         our Triton kernel (fox_kernel.py): FoX decay, documents, GQA, and Adaptive
+              Computation Pruning when given an `Acp` (CUDA; the default for FoX there).
 """
 
 from __future__ import annotations
@@ -19,25 +21,30 @@ from __future__ import annotations
 import functools
 import importlib.util
 import inspect
+import math
+import os
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 AttentionFn = Callable[..., torch.Tensor]
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+"""Triton kernels run in its interpreter (tests without CUDA): the 'fox' backend works on CPU."""
 
 
 def doc_cumsum(log_f: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """Lambda: the cumulative sum of log forget gates [N, H], restarting at each document (fp32,
-    or fp64 for fp64 inputs)."""
-    log_f = log_f.to(torch.promote_types(log_f.dtype, torch.float32))
-    total = log_f.cumsum(0)
-    starts = cu_seqlens[:-1].long()
-    before = torch.zeros_like(total[:1]).expand(starts.numel(), -1).clone()
-    nonzero = starts > 0
-    before[nonzero] = total[starts[nonzero] - 1]
+    or fp64 for fp64 inputs). Returned as the transpose of a contiguous [H, N]: PyTorch scans a
+    leading axis 50x slower than a trailing one (16K x 16 on an H200: 4.3 ms against 0.08 ms)."""
+    log_f = log_f.to(torch.promote_types(log_f.dtype, torch.float32)).T.contiguous()
+    total = log_f.cumsum(-1)
+    n = total.shape[-1]
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    return total - before.repeat_interleave(lengths, dim=0)
+    first = cu_seqlens[:-1].long().repeat_interleave(lengths, output_size=n)
+    before = torch.where(first > 0, total[:, (first - 1).clamp(min=0)], 0.0)
+    return (total - before).T
 
 
 def _doc_ids(cu_seqlens: torch.Tensor, n: int) -> torch.Tensor:
@@ -109,7 +116,7 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Te
 def _flash_only(name: str, q: torch.Tensor, log_f: torch.Tensor | None) -> None:
     """What the flash kernels cannot do, said before they are called."""
     if log_f is not None:
-        raise ValueError(f"attention backend {name!r} has no forget-gate decay; for FoX use 'flex' on CUDA "
+        raise ValueError(f"attention backend {name!r} has no forget-gate decay; for FoX use 'fox' or 'flex' on CUDA "
                          "or 'sdpa' / 'reference' anywhere")
     if q.dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"attention backend {name!r} takes float16/bfloat16, got {q.dtype}; "
@@ -195,12 +202,51 @@ def _flex(q, k, v, cu_seqlens, log_f=None, scale=None):
     return out[0].transpose(0, 1)
 
 
+@dataclass
+class AcpStats:
+    """Kept and total causal tiles (within documents), summed over heads and calls on the device:
+    reading them is the only synchronisation, done when training logs a step."""
+
+    kept: torch.Tensor | None = None
+    total: torch.Tensor | None = None
+
+    def add(self, kept: torch.Tensor, total: torch.Tensor) -> None:
+        self.kept = kept if self.kept is None else self.kept + kept
+        self.total = total if self.total is None else self.total + total
+
+    def pruned_fraction(self, reset: bool = True) -> float | None:
+        """The fraction of causal tiles skipped since the last reset (None: no call yet)."""
+        if self.total is None:
+            return None
+        out = 1.0 - float(self.kept) / max(float(self.total), 1.0)
+        if reset:
+            self.kept = self.total = None
+        return out
+
+
+@dataclass
+class Acp:
+    """Adaptive Computation Pruning: skip tiles whose every entry carries under eps / L of its
+    row's attention (eps = e^-10 in the paper), so each row loses at most eps in total."""
+
+    eps: float = math.exp(-10)
+    stats: AcpStats = field(default_factory=AcpStats)
+
+
+def fox(q, k, v, cu_seqlens, log_f=None, scale=None, acp: Acp | None = None, logit_bound=None):
+    from .fox_kernel import fox_attention
+
+    return fox_attention(q, k, v, cu_seqlens, log_f, scale, acp=acp, logit_bound=logit_bound)
+
+
 BACKENDS: dict[str, AttentionFn] = {"reference": reference, "sdpa": sdpa, "flash_attn": flash_attn,
-                                    "varlen": varlen, "flex": flex}
+                                    "varlen": varlen, "flex": flex, "fox": fox}
 
 
 def available(device: torch.device) -> list[str]:
     names = ["reference", "sdpa"]
+    if importlib.util.find_spec("triton") is not None and (device.type == "cuda" or INTERPRET):
+        names.append("fox")
     if device.type == "cuda":
         names.append("flex")
         if importlib.util.find_spec("torch.nn.attention.varlen") is not None:
@@ -218,7 +264,7 @@ def select(name: str, device: torch.device, fox: bool) -> AttentionFn:
         if device.type != "cuda":
             return sdpa
         if fox:
-            return flex
+            return BACKENDS["fox"] if "fox" in here else flex
         for fast in ("flash_attn", "varlen"):
             if fast in here:
                 return BACKENDS[fast]

@@ -117,6 +117,8 @@ class Attention(nn.Module):
         q, k = q.to(v.dtype), k.to(v.dtype)
         if cache is not None:
             o = cache.attend(q, k, v, log_f, ctx.attend)
+        elif ctx.acp is not None:
+            o = ctx.attend(q, k, v, ctx.cu_seqlens, log_f, acp=ctx.acp, logit_bound=self.logit_bound())
         else:
             o = ctx.attend(q, k, v, ctx.cu_seqlens, log_f)
         if self.fox and self.fox.output_norm:
@@ -125,6 +127,15 @@ class Attention(nn.Module):
         if self.fox and self.fox.output_gate:
             o = o * torch.sigmoid(self.ogate(x))
         return self.o_proj(o)
+
+
+    def logit_bound(self) -> torch.Tensor | None:
+        """U for ACP: with QK-norm |q.k| / sqrt(d) <= max|g_q| max|g_k| sqrt(d); without it None
+        (the kernel bounds it by the largest norms of q and k)."""
+        if not (self.fox and self.fox.qk_norm):
+            return None
+        gains = self.q_norm.weight.detach().abs().max() * self.k_norm.weight.detach().abs().max()
+        return gains.float() * self.d**0.5
 
 
 def _repeat_heads(t: torch.Tensor | None, times: int) -> torch.Tensor | None:
@@ -162,8 +173,10 @@ class Context:
     when decoding, the per-layer caches (a cache holds one document). Boundaries, tables and
     document starts cover all n tokens, also under sequence parallelism (`sp_group`)."""
 
-    def __init__(self, cu_seqlens: torch.Tensor, n: int, cos, sin, attend, cache=None, sp_group=None):
+    def __init__(self, cu_seqlens: torch.Tensor, n: int, cos, sin, attend, cache=None, sp_group=None,
+                 acp: attention.Acp | None = None):
         self.cu_seqlens = cu_seqlens
+        self.acp = acp
         self.sp_group = sp_group
         self.cos, self.sin = cos, sin
         self.attend = attend
@@ -196,6 +209,8 @@ class Transformer(nn.Module):
         self.attention_backend = attention_backend
         self.checkpoint_layers = False
         """Recompute each layer's activations in the backward pass (memory for compute)."""
+        self.acp: attention.Acp | None = None
+        """Adaptive Computation Pruning in FoX attention (the 'fox' backend); stats in acp.stats."""
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -203,7 +218,8 @@ class Transformer(nn.Module):
         for name, p in self.named_parameters():
             if p.dim() == 2:
                 # output projections scaled by depth, as GPT-2 / nanoGPT
-                scale = 1 / math.sqrt(2 * self.cfg.n_layers) if name.endswith(("o_proj.weight", "down_proj.weight")) else 1
+                deep = name.endswith(("o_proj.weight", "down_proj.weight"))
+                scale = 1 / math.sqrt(2 * self.cfg.n_layers) if deep else 1
                 nn.init.normal_(p, mean=0.0, std=std * scale)
             elif name.endswith("fgate.bias"):
                 # forget gates start spread over heads from fast (sigmoid 1 = 0.73) to slow decay
@@ -258,7 +274,11 @@ class Transformer(nn.Module):
         x = self.embed_tokens(ids[lo:hi])
         cos, sin = self.rotary(position_ids.reshape(-1), cu_seqlens, x.dtype)
         attend = attention.select(self.attention_backend, x.device, self.cfg.fox is not None)
-        ctx = Context(cu_seqlens, n, cos, sin, attend, cache, sp_group)
+        if self.acp is not None and (self.cfg.fox is None or attend is not attention.fox):
+            raise ValueError("ACP prunes FoX attention with the 'fox' attention backend (Triton, CUDA); this "
+                             f"model is {'FoX' if self.cfg.fox else 'not FoX'} and attends with "
+                             f"{attend.__name__!r} on {x.device.type}")
+        ctx = Context(cu_seqlens, n, cos, sin, attend, cache, sp_group, self.acp if cache is None else None)
         for layer in self.layers:
             if self.checkpoint_layers and cache is None and torch.is_grad_enabled():
                 x = torch.utils.checkpoint.checkpoint(layer, x, ctx, use_reentrant=False)

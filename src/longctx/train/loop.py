@@ -25,6 +25,7 @@ from tqdm import tqdm
 from ..config import TrainConfig
 from ..data.loader import PackedDataset
 from ..errors import LongctxError
+from ..model.attention import Acp
 from ..model.config import ModelConfig
 from ..model.loss import IGNORE, shift_labels
 from ..model.transformer import Transformer
@@ -132,6 +133,7 @@ def train(model: Transformer, data: PackedDataset, cfg: TrainConfig, out: Path, 
     check_layout(cfg, par.world)
     device = par.device
     model.checkpoint_layers = cfg.activation_checkpointing
+    model.acp = Acp(cfg.acp_eps) if cfg.acp_eps else None
     shard(model, par)
     opt = adamw(model, cfg.lr, cfg.betas, cfg.weight_decay)
     ckpt_dir = out / "checkpoints"
@@ -186,6 +188,8 @@ def train(model: Transformer, data: PackedDataset, cfg: TrainConfig, out: Path, 
         last = {"step": step + 1, "loss": total, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
                 "valid_tokens": valid, "tokens_per_s": tokens / seconds,
                 "tokens_per_s_per_rank": tokens / seconds / par.world}
+        if model.acp is not None:
+            last["acp_pruned_fraction"] = par.sum(model.acp.stats.pruned_fraction()) / par.world
         if peak:
             flops = par.sum(sum(step_flops(model.cfg, flops_params, b) for b in micro)) / par.sp
             last["mfu"] = flops / seconds / peak / par.world

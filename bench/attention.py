@@ -1,0 +1,171 @@
+"""FoX attention on one GPU (issue 8): forward + backward ms (gradients of q, k, v and, for FoX,
+log f) at T in {4K, 16K, 64K}, D in {64, 128}, heads x D = 2048, bf16, batch 1, for
+  sdpa        F.scaled_dot_product_attention(is_causal=True): FlashAttention-2, the plain
+              Transformer's cost and the yardstick of every ratio
+  fla         fla-core's parallel_forgetting_attn, the peer FoX kernel (when installed)
+  fox         our Triton kernel, every tile computed
+  fox_acp     our kernel with Adaptive Computation Pruning (eps = e^-10), and its kept-tile fraction
+Inputs: q and k RMS-normalised per head (what QK-norm gives, gains 1, so U = sqrt(D)); forget
+gates synthetic as in GPU-BASELINES.md (per-head gate bias spread evenly over [1, 9] plus
+N(0, 0.5) noise: about half the heads decay fast) unless --gates names a [T, H] tensor file of
+log forget gates taken from a trained model. Targets (ratios to sdpa, same run): fox <= 1.3 at
+16K; fox_acp <= 1.0 at 16K and <= 0.6 at 64K.
+
+    python bench/attention.py --out bench/results      # on a CUDA machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _results import write_result  # noqa: E402
+
+from longctx.model.fox_kernel import Acp, fox_attention  # noqa: E402
+
+TARGETS = {("fox", 16384): 1.3, ("fox_acp", 16384): 1.0, ("fox_acp", 65536): 0.6}
+
+
+def flops(t: int, h: int, d: int) -> float:
+    """Causal forward + backward: 3.5 x the forward's 4 H T^2 D / 2 (GPU-BASELINES.md)."""
+    return 3.5 * 4 * h * t * t * d / 2
+
+
+def inputs(t: int, h: int, d: int, gates: torch.Tensor | None, seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def unit(*shape):  # RMS-normalised heads, as after QK-norm with unit gains
+        x = torch.randn(*shape, device="cuda", generator=g)
+        return (x * x.pow(2).mean(-1, keepdim=True).rsqrt()).bfloat16()
+
+    q, k = unit(t, h, d), unit(t, h, d)
+    v = torch.randn(t, h, d, device="cuda", generator=g).bfloat16()
+    if gates is None:
+        bias = torch.linspace(1.0, 9.0, h, device="cuda")
+        log_f = F.logsigmoid(bias + 0.5 * torch.randn(t, h, device="cuda", generator=g))
+    else:
+        log_f = gates[:t, :h].float().cuda()
+    do = torch.randn(t, h, d, device="cuda", generator=g).bfloat16()
+    return q, k, v, log_f, do
+
+
+def runners(t: int, d: int, q, k, v, log_f, do, acp: Acp):
+    cu = torch.tensor([0, t], dtype=torch.int32, device="cuda")
+    for x in (q, k, v, log_f):
+        x.requires_grad_(True)
+
+    def sdpa():
+        o = F.scaled_dot_product_attention(*(x.transpose(0, 1)[None] for x in (q, k, v)), is_causal=True)
+        return torch.autograd.grad(o, (q, k, v), do.transpose(0, 1)[None])
+
+    def fox():
+        return torch.autograd.grad(fox_attention(q, k, v, cu, log_f), (q, k, v, log_f), do)
+
+    def fox_acp():
+        o = fox_attention(q, k, v, cu, log_f, acp=acp, logit_bound=math.sqrt(d))
+        return torch.autograd.grad(o, (q, k, v, log_f), do)
+
+    out = {"sdpa": sdpa, "fox": fox, "fox_acp": fox_acp}
+    try:
+        from fla.ops.forgetting_attn import parallel_forgetting_attn
+    except ImportError as e:
+        print(f"fla-core not usable here ({e}); its column stays empty", flush=True)
+        return out
+
+    def fla():
+        o = parallel_forgetting_attn(q[None], k[None], v[None], log_f[None])
+        return torch.autograd.grad(o, (q, k, v, log_f), do[None])
+
+    return {"sdpa": sdpa, "fla": fla, "fox": fox, "fox_acp": fox_acp}
+
+
+def profile(lengths: list[int], dims: list[int], width: int, gates: torch.Tensor | None) -> None:
+    """Where the time goes: CUDA time per kernel over 5 calls of fox and fox_acp."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    for d in dims:
+        for t in lengths:
+            run = runners(t, d, *inputs(t, width // d, d, gates, seed=t + d), Acp())
+            for name in ("fox", "fox_acp"):
+                for _ in range(3):
+                    run[name]()
+                torch.cuda.synchronize()
+                with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(5):
+                        run[name]()
+                    torch.cuda.synchronize()
+                print(f"== {name} T={t} D={d}: CUDA time of 5 calls")
+                print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
+
+
+def cell(row: dict, key: str, width: int = 8) -> str:
+    return f"{row[key]:{width}.2f}" if key in row else f"{'-':>{width}}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 65536])
+    ap.add_argument("--dims", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--width", type=int, default=2048, help="heads x head_dim")
+    ap.add_argument("--gates", type=Path, help="a torch file with log forget gates [T, H] from a trained model")
+    ap.add_argument("--fla-max", type=int, default=16384, help="longest T for fla (its 64K run is minutes)")
+    ap.add_argument("--profile", action="store_true", help="print each kernel's time for fox and fox_acp, no table")
+    ap.add_argument("--out", type=Path, default=Path("bench/results"))
+    args = ap.parse_args()
+    gates = torch.load(args.gates) if args.gates else None
+    if args.profile:
+        return profile(args.lengths, args.dims, args.width, gates)
+
+    rows = []
+    for d in args.dims:
+        h = args.width // d
+        for t in args.lengths:
+            q, k, v, log_f, do = inputs(t, h, d, gates, seed=t + d)
+            acp = Acp()
+            row = {"T": t, "D": d, "H": h, "gates": "file" if gates is not None else "synthetic"}
+            for name, fn in runners(t, d, q, k, v, log_f, do, acp).items():
+                if name == "fla" and t > args.fla_max:
+                    continue
+                ms = triton.testing.do_bench(fn, warmup=100, rep=400 if t < 65536 else 2000, return_mode="median")
+                row[f"{name}_ms"] = ms
+                row[f"{name}_tflops"] = flops(t, h, d) / ms / 1e9
+                if name == "fox_acp":
+                    acp.stats.pruned_fraction()  # the warm-up and timed calls: reset, then one clean call
+                    fn()
+                    row["kept_fraction"] = 1 - acp.stats.pruned_fraction()
+                torch.cuda.empty_cache()
+            for name in ("fla", "fox", "fox_acp"):
+                if f"{name}_ms" in row:
+                    row[f"{name}_vs_sdpa"] = row[f"{name}_ms"] / row["sdpa_ms"]
+            rows.append(row)
+            print({k_: round(x, 3) if isinstance(x, float) else x for k_, x in row.items()}, flush=True)
+
+    head = f"{'T':>6} {'D':>4} {'sdpa ms':>8} {'fla ms':>8} {'fox ms':>8} {'acp ms':>8} {'kept':>6} " \
+           f"{'fla/sdpa':>8} {'fox/sdpa':>8} {'acp/sdpa':>8}"
+    print(head)
+    for r in rows:
+        cells = [cell(r, key) for key in ("sdpa_ms", "fla_ms", "fox_ms", "fox_acp_ms")] + [cell(r, "kept_fraction", 6)]
+        cells += [cell(r, f"{key}_vs_sdpa") for key in ("fla", "fox", "fox_acp")]
+        print(f"{r['T']:>6} {r['D']:>4} " + " ".join(cells))
+    verdicts = {}
+    for (name, t), limit in TARGETS.items():
+        got = [r[f"{name}_vs_sdpa"] for r in rows if r["T"] == t and f"{name}_vs_sdpa" in r]
+        if got:
+            verdicts[f"{name}@{t}<={limit}"] = {"ratios": got, "met": all(x <= limit for x in got)}
+            print(f"target {name} at T={t}: <= {limit} x sdpa: {[f'{x:.2f}' for x in got]} "
+                  f"{'met' if all(x <= limit for x in got) else 'NOT met'}")
+    write_result(args.out, "attention", {"rows": rows, "targets": verdicts, "triton": triton.__version__})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,222 @@
+"""The Triton FoX kernel (model/fox_kernel.py) against the float64 reference: outputs and every
+gradient (q, k, v, log f) on fresh random inputs and random document splits, GQA, padded head
+dims; ACP's pruned attention mass per row <= eps on inputs where pruning matters; the linear
+bounds search against its brute-force definition. On CUDA in bf16 at sizes that use many tiles;
+without CUDA the same kernels run in Triton's interpreter (conftest sets TRITON_INTERPRET) in
+fp32 at small sizes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+triton = pytest.importorskip("triton")
+
+from longctx.model import fox_kernel as fk  # noqa: E402
+from longctx.model.attention import doc_cumsum, reference  # noqa: E402
+from longctx.model.config import FoxConfig, ModelConfig  # noqa: E402
+from longctx.model.transformer import Transformer  # noqa: E402
+
+# the interpreter's numpy warns where masked-out logits overflow before the mask drops them
+pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp2")
+CUDA = torch.cuda.is_available()
+if not CUDA and tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 8):
+    pytest.skip("Triton's interpreter needs triton >= 3.8 with numpy 2", allow_module_level=True)
+DEV = torch.device("cuda" if CUDA else "cpu")
+DTYPE = torch.bfloat16 if CUDA else torch.float32
+TOL = 1e-2 if CUDA else 1e-4
+SIZE = 4096 if CUDA else 320
+
+
+def split(n: int, docs: int, gen: torch.Generator) -> torch.Tensor:
+    cuts = (torch.randperm(n - 1, generator=gen)[: docs - 1] + 1).sort().values
+    return torch.cat([torch.zeros(1), cuts, torch.full((1,), n)]).to(torch.int32).to(DEV)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def run(q, k, v, log_f, cu, do, **kw):
+    leaves = [t.detach().requires_grad_() for t in (q, k, v, log_f)]
+    out = fk.fox_attention(*leaves[:3], cu, leaves[3], **kw)
+    return out, torch.autograd.grad(out, leaves, do)
+
+
+def expected(q, k, v, log_f, cu, do):
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v, log_f)]
+    out = reference(*leaves[:3], cu, leaves[3])
+    return out, torch.autograd.grad(out, leaves, do.double())
+
+
+@pytest.mark.parametrize("h,hk,d,docs", [(4, 4, 64, 1), (4, 2, 128, 5), (6, 1, 64, 9), (2, 2, 40, 3)])
+def test_matches_reference(h, hk, d, docs):
+    gen = torch.Generator().manual_seed(1000 * h + 10 * d + docs)
+    n = SIZE + int(torch.randint(0, 100, (1,), generator=gen))  # not a multiple of any block
+    q, k, v = (torch.randn(n, x, d, generator=gen).to(DEV, DTYPE) for x in (h, hk, hk))
+    log_f = F.logsigmoid(torch.randn(n, h, generator=gen) * 2 + 4).to(DEV)
+    do = torch.randn(n, h, d, generator=gen).to(DEV, DTYPE)
+    cu = split(n, docs, gen)
+    out, grads = run(q, k, v, log_f, cu, do)
+    ref, ref_grads = expected(q, k, v, log_f, cu, do)
+    assert torch.isfinite(out).all()
+    assert rel(out, ref) <= TOL
+    for name, g, r in zip("q k v log_f".split(), grads, ref_grads, strict=True):
+        assert torch.isfinite(g).all(), name
+        assert rel(g, r) <= TOL, (name, rel(g, r))
+
+
+def test_no_decay_is_plain_causal_attention():
+    gen = torch.Generator().manual_seed(7)
+    n, h, d = SIZE // 2, 2, 64
+    q, k, v = (torch.randn(n, h, d, generator=gen).to(DEV, DTYPE) for _ in range(3))
+    cu = split(n, 3, gen)
+    assert rel(fk.fox_attention(q, k, v, cu), reference(q.double(), k.double(), v.double(), cu)) <= TOL
+
+
+def decaying(n: int, h: int, d: int, gen: torch.Generator, normalised: bool):
+    """Gates that forget within a few hundred tokens on most heads (bias -1..3), one slow head:
+    ACP has tiles to prune and a head where it must keep nearly everything."""
+    q, k, v = (torch.randn(n, h, d, generator=gen) for _ in range(3))
+    if normalised:  # what QK-norm with unit gains gives: |q| = |k| = sqrt(d)
+        q, k = (x * x.pow(2).mean(-1, keepdim=True).rsqrt() for x in (q, k))
+    bias = torch.linspace(-1.0, 3.0, h - 1).tolist() + [12.0]
+    log_f = F.logsigmoid(torch.tensor(bias) + 0.3 * torch.randn(n, h, generator=gen))
+    return q.to(DEV, DTYPE), k.to(DEV, DTYPE), v.to(DEV, DTYPE), log_f.to(DEV)
+
+
+@pytest.mark.parametrize("normalised", [True, False])
+def test_acp_prunes_at_most_eps_per_row(normalised):
+    gen = torch.Generator().manual_seed(11 + normalised)
+    n, h, d = (2 * SIZE if CUDA else 1024), 4, 64
+    q, k, v, log_f = decaying(n, h, d, gen, normalised)
+    cu = split(n, 3, gen)
+    do = torch.randn(n, h, d, generator=gen).to(DEV, DTYPE)
+    acp = fk.Acp()
+    bound = math.sqrt(d) if normalised else None  # gains 1: U = sqrt(d); else from max norms
+    out, grads = run(q, k, v, log_f, cu, do, acp=acp, logit_bound=bound)
+    pruned = acp.stats.pruned_fraction()
+    assert pruned > (0.3 if normalised else 0.1), pruned  # max norms bound U more loosely than gains
+
+    # attention mass (float64 reference) of every entry left of the query tile's kstart: the
+    # most any kernel skips
+    scale = d**-0.5
+    lam = doc_cumsum(log_f.double(), cu)
+    start, _ = fk.doc_bounds(cu, n)
+    lam2 = (lam * fk.LOG2E).T.float().contiguous()
+    delta = fk.thresholds(q, k, scale, (cu[1:] - cu[:-1]).max(), acp.eps, bound)
+    kstart, _ = fk.bounds(lam2, delta, start)
+    pos = torch.arange(n, device=DEV)
+    logits = torch.einsum("qhd,khd->hqk", q.double(), k.double()) * scale + (lam.T[:, :, None] - lam.T[:, None, :])
+    allowed = (pos[None, :] <= pos[:, None]) & (pos[None, :] >= start[:, None])
+    probs = logits.masked_fill(~allowed, float("-inf")).softmax(-1)
+    skipped = pos[None, None, :] < (kstart.long() * fk.TILE).repeat_interleave(fk.TILE, 1)[:, :n, None]
+    mass = (probs * skipped).sum(-1)
+    assert mass.max() <= acp.eps, mass.max()
+    assert skipped.any()
+
+    ref, ref_grads = expected(q, k, v, log_f, cu, do)
+    assert rel(out, ref) <= TOL
+    for name, g, r in zip("q k v log_f".split(), grads, ref_grads, strict=True):
+        assert rel(g, r) <= TOL, (name, rel(g, r))
+
+
+def brute_kstart(lam2: torch.Tensor, delta2: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+    """kstart by its definition: per query tile, the first key tile (from its document's start
+    tile) whose largest decay lam[first query] - lam[tile end] reaches the threshold."""
+    h, n = lam2.shape
+    nb = -(-n // fk.TILE)
+    out = torch.empty(h, nb, dtype=torch.int32)
+    for head in range(h):
+        for qb in range(nb):
+            qf = qb * fk.TILE
+            t = int(start[qf]) // fk.TILE
+            while t < qb and lam2[head, qf] - lam2[head, t * fk.TILE + fk.TILE - 1] < delta2[head]:
+                t += 1
+            out[head, qb] = t
+    return out
+
+
+def test_bounds_search_matches_definition():
+    gen = torch.Generator().manual_seed(5)
+    n, h = 3000, 3
+    log_f = F.logsigmoid(torch.randn(n, h, generator=gen) + torch.tensor([0.0, 2.0, 6.0]))
+    cu = split(n, 6, gen)
+    lam2 = (doc_cumsum(log_f.to(DEV), cu) * fk.LOG2E).T.contiguous()
+    start, _ = fk.doc_bounds(cu, n)
+    delta = torch.tensor([-20.0, -30.0, -5.0], device=DEV)
+    kstart, qend = fk.bounds(lam2, delta, start)
+    want = brute_kstart(lam2.cpu(), delta.cpu() * fk.LOG2E, start.cpu())
+    assert torch.equal(kstart.cpu(), want)
+    assert (kstart[:, 1:] >= kstart[:, :-1]).all()  # one forward-moving pointer
+    # qend: the first query tile that no longer visits each key tile
+    nb = kstart.shape[1]
+    tiles = torch.arange(nb, device=DEV)
+    seen = (kstart[:, :, None] <= tiles[None, None, :]) & (tiles[None, :, None] >= tiles[None, None, :])
+    last_seen = torch.where(seen, tiles[None, :, None], -1).amax(1)  # [H, key tile]
+    assert torch.equal(qend.long()[last_seen >= 0], (last_seen + 1)[last_seen >= 0])
+    no_acp, _ = fk.bounds(lam2, None, start)
+    assert torch.equal(no_acp.cpu(), (start.cpu()[:: fk.TILE] // fk.TILE).expand(h, -1).to(torch.int32))
+
+
+def test_bad_heads_named():
+    q = torch.randn(64, 3, 16, device=DEV)
+    k = torch.randn(64, 2, 16, device=DEV)
+    with pytest.raises(ValueError, match="3 query heads are not a multiple of 2 KV heads"):
+        fk.fox_attention(q, k, k, torch.tensor([0, 64], dtype=torch.int32, device=DEV))
+
+
+# --- the kernel as the model's FoX backend ---------------------------------------------------
+
+def fox_model(vocab: int = 97, **fox) -> Transformer:
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=vocab, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96,
+                      max_position_embeddings=4096, rope=None, fox=FoxConfig(**fox))
+    return Transformer(cfg, attention_backend="fox").to(DEV)
+
+
+@pytest.mark.parametrize("pro", [True, False])
+def test_model_with_the_kernel_matches_the_reference_backend(pro):
+    model = fox_model(qk_norm=pro, output_gate=pro, output_norm=pro, kv_shift=pro)
+    gen = torch.Generator().manual_seed(3)
+    n = 300
+    ids = torch.randint(0, 97, (n,), generator=gen).to(DEV)
+    cu = split(n, 4, gen)
+    got = model(ids, cu)  # fp32: the kernel takes exact fp32 products, so fp32 tolerances hold
+    got_grads = torch.autograd.grad(got.logsumexp(-1).sum(), list(model.parameters()))
+    model.attention_backend = "reference"
+    want = model(ids, cu)
+    want_grads = torch.autograd.grad(want.logsumexp(-1).sum(), list(model.parameters()))
+    assert rel(got, want) <= 1e-4
+    for (name, _), g, w in zip(model.named_parameters(), got_grads, want_grads, strict=True):
+        assert rel(g, w) <= 1e-4, name
+
+
+def test_training_with_acp_logs_the_pruned_fraction(small_project, tmp_path):
+    import json
+
+    from longctx.data.loader import PackedDataset
+    from longctx.train.loop import TrainConfig, train
+
+    data = PackedDataset(small_project / "data/packed/stage1/train")
+    model = fox_model(vocab=1024)
+    with torch.no_grad():
+        for layer in model.layers:  # gates that forget within tens of tokens: tiles to prune at 512
+            layer.self_attn.fgate.bias.fill_(-1.0)
+    last = train(model, data, TrainConfig(steps=2, lr=1e-3, acp_eps=math.exp(-10)), tmp_path)
+    logged = [json.loads(line)["acp_pruned_fraction"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(logged) == 2 and all(0.2 < x < 1 for x in logged), logged
+    assert math.isfinite(last["loss"])
+
+
+def test_acp_needs_a_fox_model_and_the_kernel():
+    from longctx.model.attention import Acp
+
+    model = fox_model()
+    model.attention_backend = "reference"
+    model.acp = Acp()
+    with pytest.raises(ValueError, match="ACP prunes FoX attention with the 'fox' attention backend"):
+        model(torch.zeros(8, dtype=torch.long, device=DEV))
