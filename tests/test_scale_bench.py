@@ -1,0 +1,38 @@
+"""bench/scale.py on two CPU ranks (gloo) at a tiny shape: every setting runs and reports, and
+the sequence-parallel run's losses equal a single process's on the same sequences."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO
+
+ARGS = ["bench/scale.py", "--shape", "tiny", "--fsdp-seq", "1024", "--sp-seq", "2048", "--steps", "1",
+        "--warmup", "1"]
+
+
+def run(cmd: list[str], out) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd + ["--out", str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "tokens/s/GPU" in done.stdout  # the table
+    (path,) = out.glob("scale-cpu-*.json")
+    return json.loads(path.read_text())
+
+
+@pytest.mark.slow
+def test_two_ranks_report_every_setting_and_match_one_process(tmp_path):
+    two = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *ARGS,
+               "--settings", "fsdp", "sp", "fox-fsdp"], tmp_path / "two")
+    one = run([sys.executable, *ARGS, "--settings", "sp"], tmp_path / "one")
+    rows = {r["setting"]: r for r in two["rows"]}
+    assert two["world"] == 2 and set(rows) == {"fsdp", "sp", "fox-fsdp"}
+    assert rows["sp"]["sp"] == 2 and rows["fsdp"]["sp"] == 1
+    for r in rows.values():
+        assert r["tokens_per_s_per_gpu"] > 0 and len(r["losses"]) == 2
+    assert 0.0 <= rows["fox-fsdp"]["acp_pruned_fraction"] < 1.0
+    assert rows["sp"]["losses"] == pytest.approx(one["rows"][0]["losses"], rel=1e-5)
