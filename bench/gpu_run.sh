@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# On a CUDA machine without internet: the CUDA tests, then the model-step and training
-# throughput benchmarks.
+# On a CUDA machine without internet: the CUDA tests, then the model-step, FoX attention and
+# training throughput benchmarks (carry .whl: pydantic, fla-core).
 # Logs and JSON go to $OUT (or bench/results).
 set -uo pipefail
 out=${OUT:-bench/results}
@@ -12,5 +12,7 @@ python3 -m pytest -q -p no:cacheprovider tests/test_gpu_attention.py tests/test_
 tests=${PIPESTATUS[0]}
 python3 bench/model_step.py --out "$out" 2>&1 | tee "$out/model_step.log"
 step=${PIPESTATUS[0]}
+python3 bench/attention.py --out "$out" 2>&1 | tee "$out/attention.log"
+step=$(( step || PIPESTATUS[0] ))
 python3 bench/train_throughput.py --out "$out" 2>&1 | tee "$out/train_throughput.log"
 exit $(( tests || step || PIPESTATUS[0] ))

@@ -1,8 +1,9 @@
 """Training throughput on one GPU (issue 4): tokens/s and MFU of full optimizer steps (bf16
 autocast over fp32 weights, AdamW, chunked loss, as the training stages run) for the 125M and
-760M shapes, Llama-style and FoX (Pro), at 16K tokens; the FoX/Transformer ratio (FoX paper
-Table 6: 27k / 38k = 0.71 on 4 x L40S); and the longest single-document step the 760M shape fits
-with activation checkpointing.
+760M shapes, Llama-style, FoX (Pro) with the default attention backend (the Triton `fox` kernel
+on CUDA) and FoX (Pro) with ACP (forget gates at their initialisation), at 16K tokens; the
+FoX/Transformer ratio (FoX paper Table 6: 27k / 38k = 0.71 on 4 x L40S); and the longest
+single-document step the 760M shape fits with activation checkpointing.
 
     python bench/train_throughput.py --out bench/results      # on a CUDA machine
 """
@@ -21,11 +22,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _results import write_result  # noqa: E402
 
+from longctx.model import attention  # noqa: E402
+from longctx.model.attention import Acp  # noqa: E402
 from longctx.model.config import PRESETS, FoxConfig, ModelConfig, RopeConfig  # noqa: E402
 from longctx.model.loss import shift_labels  # noqa: E402
 from longctx.model.transformer import Transformer  # noqa: E402
 from longctx.train.loop import Batch, _peak_flops, flop_params, step_flops  # noqa: E402
 from longctx.train.optim import adamw  # noqa: E402
+
+
+def model_backend(model: Transformer) -> str:
+    return attention.select(model.attention_backend, torch.device("cuda"), model.cfg.fox is not None).__name__
 
 
 def build(shape: str, fox: bool, window: int) -> Transformer:
@@ -66,14 +73,17 @@ def main() -> None:
     peak = _peak_flops(torch.device("cuda"))
     rows = []
     for shape in ("fox-125m", "fox-760m"):
-        for fox in (False, True):
-            model = build(shape, fox, 16384)
+        for name in ("Transformer", "FoX (Pro)", "FoX (Pro) + ACP"):
+            model = build(shape, name != "Transformer", 16384)
+            model.acp = Acp() if name.endswith("ACP") else None
             sec, batch = run_steps(model, 16384, 5, checkpointing=False)
             flops = step_flops(model.cfg, flop_params(model), batch)
-            rows.append({"shape": shape.removeprefix("fox-"), "model": "FoX (Pro)" if fox else "Transformer",
+            rows.append({"shape": shape.removeprefix("fox-"), "model": name, "attention": model_backend(model),
                          "tokens": 16384, "step_ms": round(sec * 1e3, 1), "tokens_per_s": round(16384 / sec),
                          "mfu": round(flops / sec / peak, 4) if peak else None,
                          "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)})
+            if model.acp is not None:
+                rows[-1]["acp_pruned_fraction"] = round(model.acp.stats.pruned_fraction(), 4)
             print(rows[-1], flush=True)
             del model
             torch.cuda.empty_cache()
@@ -81,8 +91,9 @@ def main() -> None:
     ratios = {}
     for shape in ("125m", "760m"):
         t = next(r for r in rows if r["shape"] == shape and r["model"] == "Transformer")
-        f = next(r for r in rows if r["shape"] == shape and r["model"] == "FoX (Pro)")
-        ratios[shape] = round(f["tokens_per_s"] / t["tokens_per_s"], 3)
+        for name in ("FoX (Pro)", "FoX (Pro) + ACP"):
+            f = next(r for r in rows if r["shape"] == shape and r["model"] == name)
+            ratios[f"{shape} {name}"] = round(f["tokens_per_s"] / t["tokens_per_s"], 3)
     longest = {}
     model = build("fox-760m", False, 1 << 20)
     for tokens in (t for t in (32768, 65536, 131072, 262144, 524288) if t <= args.max_tokens):
@@ -96,9 +107,9 @@ def main() -> None:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
     print(f"\ntraining steps at 16K tokens, bf16 autocast, AdamW ({torch.cuda.get_device_name()})")
-    print(f"{'shape':<6} {'model':<12} {'ms/step':>9} {'tokens/s':>9} {'MFU':>7} {'peak GiB':>9}")
+    print(f"{'shape':<6} {'model':<16} {'ms/step':>9} {'tokens/s':>9} {'MFU':>7} {'peak GiB':>9}")
     for r in rows:
-        print(f"{r['shape']:<6} {r['model']:<12} {r['step_ms']:>9} {r['tokens_per_s']:>9} {r['mfu'] or '-':>7} "
+        print(f"{r['shape']:<6} {r['model']:<16} {r['step_ms']:>9} {r['tokens_per_s']:>9} {r['mfu'] or '-':>7} "
               f"{r['peak_memory_gib']:>9}")
     print(f"FoX/Transformer tokens/s: {ratios} (FoX paper Table 6: 0.71)")
     print(f"longest 760M single-document step with activation checkpointing: {longest}")

@@ -73,6 +73,7 @@ def test_failure_then_resume_and_mlflow_parent_runs(tmp_path, monkeypatch, harne
     sh(["git", "commit", "-qm", "pipeline run"], ws, env)
     exps = sweep(str(ws), grid={"eval.samples": [2]})
     assert len(exps) == 1 and exps[0]["params"]["eval"]["samples"] == 2
+    assert exps[0]["metrics"]["metrics/eval.json"]["tasks"]  # the experiment's own metrics (git-tracked)
     runs = client.search_runs([exp.experiment_id], filter_string=f"tags.`dvc.experiment` = '{exps[0]['name']}'")
     assert {r.info.run_name for r in runs} == {"eval"}
     table = client.search_runs([exp.experiment_id], filter_string="tags.`longctx.stage` = 'sweep'")

@@ -417,6 +417,9 @@ def fox_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
         raise ValueError(f"fox attention: {h} query heads are not a multiple of {k.shape[1]} KV heads")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"fox attention takes float16/bfloat16/float32, got {q.dtype}")
+    if n * h * _padded_dim(d) >= 2**31:
+        raise ValueError(f"fox attention: {n} tokens x {h} heads x {d} dims overflow the kernels' 32-bit offsets; "
+                         "split the heads over ranks (sequence_parallel) or the tokens over sequences")
     sm_scale = d**-0.5 if scale is None else scale
     if log_f is None:
         lam2 = torch.zeros(h, n, dtype=torch.float32, device=q.device)
