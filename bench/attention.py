@@ -7,8 +7,9 @@ log f) at T in {4K, 16K, 64K}, D in {64, 128}, heads x D = 2048, bf16, batch 1, 
   fox_acp     our kernel with Adaptive Computation Pruning (eps = e^-10), and its kept-tile fraction
 Inputs: q and k RMS-normalised per head (what QK-norm gives, gains 1, so U = sqrt(D)); forget
 gates synthetic as in GPU-BASELINES.md (per-head gate bias spread evenly over [1, 9] plus
-N(0, 0.5) noise: about half the heads decay fast) unless --gates names a [T, H] tensor file of
-log forget gates taken from a trained model. Targets (ratios to sdpa, same run): fox <= 1.3 at
+N(0, 0.5) noise: about half the heads decay fast) unless --gates-from names a trained FoX
+checkpoint: then its log forget gates on packed text (--gates-data, or random tokens), every
+layer's heads side by side, H of them taken evenly. Targets (ratios to sdpa, same run): fox <= 1.3 at
 16K; fox_acp <= 1.0 at 16K and <= 0.6 at 64K.
 
     python bench/attention.py --out bench/results      # on a CUDA machine
@@ -40,6 +41,45 @@ def flops(t: int, h: int, d: int) -> float:
     return 3.5 * 4 * h * t * t * d / 2
 
 
+def model_gates(folder: Path, tokens: int, data: Path | None = None, device: str = "cuda") -> torch.Tensor:
+    """Log forget gates [tokens, layers x heads] of a trained FoX checkpoint on `tokens` tokens:
+    sequences of a packed split back to back (their documents kept), or random tokens."""
+    from longctx.data.loader import PackedDataset
+    from longctx.train.models import load_model
+
+    model = load_model(folder).to(device).eval()
+    if model.cfg.fox is None:
+        raise SystemExit(f"--gates-from {folder}: not a FoX model (no forget gates)")
+    if data is None:
+        ids = torch.randint(0, model.cfg.vocab_size, (tokens,), generator=torch.Generator().manual_seed(0))
+        cu = torch.tensor([0, tokens])
+    else:
+        split = PackedDataset(data)
+        ids_parts, cus, at = [], [], 0
+        for i in range(len(split)):
+            seq = split[i]
+            ids_parts.append(torch.from_numpy(seq.input_ids.astype("int64")))
+            cus.append(torch.from_numpy(seq.cu_seqlens[:-1].astype("int64")) + at)
+            at += len(seq.input_ids)
+            if at >= tokens:
+                break
+        if at < tokens:
+            raise SystemExit(f"--gates-data {data}: {at} tokens, fewer than the {tokens} asked for")
+        ids = torch.cat(ids_parts)[:tokens]
+        cu = torch.cat([*cus, torch.tensor([at])]).clamp(max=tokens).unique_consecutive()
+        if int(ids.max()) >= model.cfg.vocab_size:
+            raise SystemExit(f"--gates-data {data}: token ids reach {int(ids.max())}, past the checkpoint's "
+                             f"vocabulary of {model.cfg.vocab_size} (another tokenizer?)")
+    captured = []
+    hooks = [layer.self_attn.fgate.register_forward_hook(lambda _m, _i, out: captured.append(F.logsigmoid(out.float())))
+             for layer in model.layers]
+    with torch.no_grad():
+        model.hidden(ids.to(device), cu.to(device, torch.int32))
+    for hook in hooks:
+        hook.remove()
+    return torch.cat(captured, dim=1).cpu()
+
+
 def inputs(t: int, h: int, d: int, gates: torch.Tensor | None, seed: int):
     g = torch.Generator(device="cuda").manual_seed(seed)
 
@@ -53,7 +93,8 @@ def inputs(t: int, h: int, d: int, gates: torch.Tensor | None, seed: int):
         bias = torch.linspace(1.0, 9.0, h, device="cuda")
         log_f = F.logsigmoid(bias + 0.5 * torch.randn(t, h, device="cuda", generator=g))
     else:
-        log_f = gates[:t, :h].float().cuda()
+        pick = torch.linspace(0, gates.shape[1] - 1, h).round().long()  # H heads spread over the layers
+        log_f = gates[:t, pick].float().cuda()
     do = torch.randn(t, h, d, device="cuda", generator=g).bfloat16()
     return q, k, v, log_f, do
 
@@ -117,12 +158,13 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 65536])
     ap.add_argument("--dims", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--width", type=int, default=2048, help="heads x head_dim")
-    ap.add_argument("--gates", type=Path, help="a torch file with log forget gates [T, H] from a trained model")
+    ap.add_argument("--gates-from", type=Path, help="a trained FoX checkpoint whose forget gates to use")
+    ap.add_argument("--gates-data", type=Path, help="a packed split (data/packed/<split>/<part>) to run it on")
     ap.add_argument("--fla-max", type=int, default=16384, help="longest T for fla (its 64K run is minutes)")
     ap.add_argument("--profile", action="store_true", help="print each kernel's time for fox and fox_acp, no table")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     args = ap.parse_args()
-    gates = torch.load(args.gates) if args.gates else None
+    gates = model_gates(args.gates_from, max(args.lengths), args.gates_data) if args.gates_from else None
     if args.profile:
         return profile(args.lengths, args.dims, args.width, gates)
 
@@ -132,7 +174,7 @@ def main() -> None:
         for t in args.lengths:
             q, k, v, log_f, do = inputs(t, h, d, gates, seed=t + d)
             acp = Acp()
-            row = {"T": t, "D": d, "H": h, "gates": "file" if gates is not None else "synthetic"}
+            row = {"T": t, "D": d, "H": h, "gates": str(args.gates_from) if gates is not None else "synthetic"}
             for name, fn in runners(t, d, q, k, v, log_f, do, acp).items():
                 if name == "fla" and t > args.fla_max:
                     continue
