@@ -234,6 +234,7 @@ class Acp:
 
 
 def fox(q, k, v, cu_seqlens, log_f=None, scale=None, acp: Acp | None = None, logit_bound=None):
+    """The Triton kernel, imported on first use: only this backend needs Triton."""
     from .fox_kernel import fox_attention
 
     return fox_attention(q, k, v, cu_seqlens, log_f, scale, acp=acp, logit_bound=logit_bound)
