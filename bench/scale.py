@@ -131,6 +131,32 @@ def run_setting(name: str, args, base_par) -> dict:
     return row
 
 
+def scaling(results: list[dict]) -> list[dict]:
+    """Scaling efficiency per setting: tokens/s/GPU at each world size over that at the smallest
+    world size measured (runs of one setting must share shape and sequence length)."""
+    by_setting: dict[tuple, list[tuple[int, float]]] = {}
+    for res in results:
+        for r in res["rows"]:
+            if "tokens_per_s_per_gpu" in r:
+                key = (r["setting"], res["shape"], r["seq"])
+                by_setting.setdefault(key, []).append((res["world"], r["tokens_per_s_per_gpu"]))
+    out = []
+    for (setting, shape, seq), runs in sorted(by_setting.items()):
+        base_world, base = min(runs)
+        for world, speed in sorted(runs):
+            out.append({"setting": setting, "shape": shape, "seq": seq, "world": world,
+                        "tokens_per_s_per_gpu": speed, "efficiency": round(speed / base, 3), "base_world": base_world})
+    return out
+
+
+def compare(paths: list[Path]) -> None:
+    rows = scaling([json.loads(p.read_text()) for p in paths])
+    print(f"{'setting':<9} {'seq':>7} {'GPUs':>5} {'tokens/s/GPU':>13} {'efficiency':>11}")
+    for r in rows:
+        print(f"{r['setting']:<9} {r['seq']:>7} {r['world']:>5} {r['tokens_per_s_per_gpu']:>13} "
+              f"{r['efficiency']:>8} vs {r['base_world']}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
@@ -142,7 +168,11 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--acp-eps", type=float, default=math.exp(-10))
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
+    ap.add_argument("--compare", type=Path, nargs="+", help="JSON results of runs at several GPU counts: "
+                    "print the scaling efficiency and exit")
     args = ap.parse_args()
+    if args.compare:
+        return compare(args.compare)
     par = init()
     rows = []
     for name in args.settings:

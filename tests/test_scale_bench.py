@@ -36,3 +36,15 @@ def test_two_ranks_report_every_setting_and_match_one_process(tmp_path):
         assert r["tokens_per_s_per_gpu"] > 0 and len(r["losses"]) == 2
     assert 0.0 <= rows["fox-fsdp"]["acp_pruned_fraction"] < 1.0
     assert rows["sp"]["losses"] == pytest.approx(one["rows"][0]["losses"], rel=1e-5)
+
+    # scaling efficiency across the two runs: sp at 1 and 2 processes, the smaller as the base
+    sys.path.insert(0, str(REPO / "bench"))
+    from scale import scaling
+
+    eff = {r["world"]: r for r in scaling([one, two]) if r["setting"] == "sp"}
+    assert eff[1]["efficiency"] == 1.0
+    assert eff[2]["efficiency"] == pytest.approx(rows["sp"]["tokens_per_s_per_gpu"]
+                                                 / one["rows"][0]["tokens_per_s_per_gpu"], rel=1e-3)
+    shown = subprocess.run([sys.executable, "bench/scale.py", "--compare", *map(str, tmp_path.glob("*/scale-*.json"))],
+                           cwd=REPO, capture_output=True, text=True, check=True).stdout
+    assert "efficiency" in shown and "fox-fsdp" in shown
