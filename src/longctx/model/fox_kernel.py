@@ -145,6 +145,18 @@ def _fwd_kernel(Q, K, V, LAM, START, KSTART, OUT, LSE, N, NB, sq, sk, scale, SIZ
 # key block (all query heads of a KV head in one program, so GQA needs no reduction pass)
 
 @triton.jit
+def _block_pair(A, B, first, stride, head, N, BLOCK: tl.constexpr, D: tl.constexpr):
+    """Two [BLOCK, D] tiles of one head (q and dO, or k and v) from token `first` on, zero past N;
+    with their token indices, the in-range mask and the offsets to store gradients at."""
+    idx = first + tl.arange(0, BLOCK)
+    valid = idx < N
+    offs = idx[:, None] * stride + head * D + tl.arange(0, D)[None, :]
+    a = tl.load(A + offs, mask=valid[:, None], other=0.0)
+    b = tl.load(B + offs, mask=valid[:, None], other=0.0)
+    return a, b, idx, valid, offs
+
+
+@triton.jit
 def _dq_tiles(dq, dlq, q, do, r_q, dlt, st_q, rows, kp, vp, lamk, lo, hi, sk, N, scale,
               D: tl.constexpr, BN: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr):
     dims = tl.arange(0, D)
@@ -166,15 +178,9 @@ def _dq_tiles(dq, dlq, q, do, r_q, dlt, st_q, rows, kp, vp, lamk, lo, hi, sk, N,
 def _dq_kernel(Q, K, V, DO, LAM, ROW, DELTA, START, KSTART, DQ, DLQ, N, NB, sq, sk, scale, sm_scale, SIZE,
                GROUPS: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                T: tl.constexpr, PREC: tl.constexpr):
-    qb = tl.program_id(0)
     h = tl.program_id(1)
-    q0 = qb * BM
-    rows = q0 + tl.arange(0, BM)
-    dims = tl.arange(0, D)
-    valid = rows < N
-    offs = rows[:, None] * sq + h * D + dims[None, :]
-    q = tl.load(Q + offs, mask=valid[:, None], other=0.0)
-    do = tl.load(DO + offs, mask=valid[:, None], other=0.0)
+    q0 = tl.program_id(0) * BM
+    q, do, rows, valid, offs = _block_pair(Q, DO, q0, sq, h, N, BM, D)
     r_q = tl.load(ROW + h * N + rows, mask=valid, other=0.0)
     dlt = tl.load(DELTA + h * N + rows, mask=valid, other=0.0)
     st_q = tl.load(START + rows, mask=valid, other=N)
@@ -229,15 +235,9 @@ def _dkdv_tiles(dk, dv, dlk, k, v, lam_k, cols, qp, dop, row_p, dlt_p, START, lo
 def _dkdv_kernel(Q, K, V, DO, LAM, ROW, DELTA, START, END, QEND, DK, DV, DLK, N, NB, sq, sk, scale, sm_scale,
                  SIZE, GROUPS: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                  T: tl.constexpr, PREC: tl.constexpr):
-    kb = tl.program_id(0)
     hk = tl.program_id(1)
-    k0 = kb * BN
-    cols = k0 + tl.arange(0, BN)
-    dims = tl.arange(0, D)
-    inside = cols < N
-    offs = cols[:, None] * sk + hk * D + dims[None, :]
-    k = tl.load(K + offs, mask=inside[:, None], other=0.0)
-    v = tl.load(V + offs, mask=inside[:, None], other=0.0)
+    k0 = tl.program_id(0) * BN
+    k, v, cols, inside, offs = _block_pair(K, V, k0, sk, hk, N, BN, D)
     dk = tl.zeros([BN, D], tl.float32)
     dv = tl.zeros([BN, D], tl.float32)
     # rows before the end of the first key's document see the whole block: no mask there
