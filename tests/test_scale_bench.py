@@ -43,8 +43,8 @@ def test_two_ranks_report_every_setting_and_match_one_process(tmp_path):
 
     eff = {r["world"]: r for r in scaling([one, two]) if r["setting"] == "sp"}
     assert eff[1]["efficiency"] == 1.0
-    assert eff[2]["efficiency"] == pytest.approx(rows["sp"]["tokens_per_s_per_gpu"]
-                                                 / one["rows"][0]["tokens_per_s_per_gpu"], rel=1e-3)
+    ratio = rows["sp"]["tokens_per_s_per_gpu"] / one["rows"][0]["tokens_per_s_per_gpu"]
+    assert eff[2]["efficiency"] == pytest.approx(ratio, abs=5e-4)  # rounded to 3 decimals
     shown = subprocess.run([sys.executable, "bench/scale.py", "--compare", *map(str, tmp_path.glob("*/scale-*.json"))],
                            cwd=REPO, capture_output=True, text=True, check=True).stdout
     assert "efficiency" in shown and "fox-fsdp" in shown
