@@ -272,24 +272,26 @@ AUTOTUNE = os.environ.get("LONGCTX_FOX_AUTOTUNE", "1") != "0"
 dim, group size and length class otherwise compiles and times every configuration, ~30 s)."""
 
 
-def _configs(options: list[tuple[int, int, int, int]], names: tuple[str, str]) -> list[triton.Config]:
+def _configs(options: list[tuple[int, int, int, int]]) -> list[triton.Config]:
     if INTERPRET or not AUTOTUNE:
         options = options[:1]
-    return [triton.Config({names[0]: bm, names[1]: bn}, num_warps=w, num_stages=s) for bm, bn, w, s in options]
+    return [triton.Config({"BM": bm, "BN": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in options]
 
 
-# fwd and dq: BM in {64, 128} (query blocks start on a TILE); dk/dv: BM divides TILE
-FWD_CONFIGS = _configs([(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 4), (128, 64, 8, 4),
-                        (128, 128, 8, 2), (64, 64, 4, 3)], ("BM", "BN"))
-DQ_CONFIGS = _configs([(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3),
-                       (64, 128, 8, 3), (128, 64, 8, 1), (64, 64, 4, 2)], ("BM", "BN"))
-DKDV_CONFIGS = _configs([(64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 4, 3), (32, 128, 8, 3), (64, 64, 4, 3),
-                         (32, 64, 4, 3), (64, 128, 8, 1), (16, 128, 4, 3), (32, 128, 4, 2)], ("BM", "BN"))
+# fwd and dq: BM in {64, 128} (query blocks start on a TILE); dk/dv: BM divides TILE. Registers
+# and spills of each: bench/kernel_resources.py (no GPU needed); the last dq and dk/dv options are
+# the ones without spills at D = 128 there
+FWD_OPTIONS = [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 128, 8, 4), (128, 64, 8, 4),
+               (128, 128, 8, 2), (64, 64, 4, 3)]
+DQ_OPTIONS = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3),
+              (64, 128, 8, 3), (128, 64, 8, 1), (64, 64, 4, 2), (64, 64, 8, 3)]
+DKDV_OPTIONS = [(64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 4, 3), (32, 128, 8, 3), (64, 64, 4, 3),
+                (32, 64, 4, 3), (64, 128, 8, 1), (16, 128, 4, 3), (32, 128, 4, 2), (32, 64, 8, 3)]
 # tuned per head dim, GQA group and power-of-two length class (not per length: prompts vary)
 KEY = ["D", "GROUPS", "SIZE"]
-_fwd = triton.autotune(FWD_CONFIGS, key=KEY)(_fwd_kernel)
-_dq = triton.autotune(DQ_CONFIGS, key=KEY)(_dq_kernel)
-_dkdv = triton.autotune(DKDV_CONFIGS, key=KEY)(_dkdv_kernel)
+_fwd = triton.autotune(_configs(FWD_OPTIONS), key=KEY)(_fwd_kernel)
+_dq = triton.autotune(_configs(DQ_OPTIONS), key=KEY)(_dq_kernel)
+_dkdv = triton.autotune(_configs(DKDV_OPTIONS), key=KEY)(_dkdv_kernel)
 
 
 # ---------------------------------------------------------------------------------------------
