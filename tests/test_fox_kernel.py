@@ -124,6 +124,38 @@ def test_acp_prunes_at_most_eps_per_row(normalised):
         assert rel(g, r) <= TOL, (name, rel(g, r))
 
 
+def test_thresholds_from_a_number_a_tensor_or_the_norms():
+    gen = torch.Generator().manual_seed(3)
+    q, k = torch.randn(50, 4, 16, generator=gen).to(DEV), torch.randn(50, 2, 16, generator=gen).to(DEV)
+    longest = torch.tensor(50, device=DEV)
+    want = torch.full((4,), -(2 * 3.0 + math.log(50)) + math.log(1e-4), device=DEV)
+    torch.testing.assert_close(fk.thresholds(q, k, 0.25, longest, 1e-4, 3.0), want)
+    torch.testing.assert_close(fk.thresholds(q, k, 0.25, longest, 1e-4, torch.tensor(3.0, device=DEV)), want)
+    u = q.norm(dim=-1).amax(0) * k.norm(dim=-1).amax(0).repeat_interleave(2) * 0.25  # KV head of each query head
+    torch.testing.assert_close(fk.thresholds(q, k, 0.25, longest, 1e-4, None),
+                               -(2 * u + math.log(50)) + math.log(1e-4))
+
+
+@pytest.mark.skipif(not CUDA, reason="host synchronisation is a CUDA matter")
+def test_a_call_with_acp_never_waits_for_the_gpu():
+    """Every layer calls the kernel: a host sync inside would stall the launch queue each time
+    (a host tensor made from the bound once did)."""
+    gen = torch.Generator().manual_seed(4)
+    q, k, v, log_f = decaying(SIZE, 4, 64, gen, True)
+    cu = split(SIZE, 3, gen)
+    do = torch.randn(SIZE, 4, 64, generator=gen).to(DEV, DTYPE)
+    acp = fk.Acp()
+    run(q, k, v, log_f, cu, do, acp=acp, logit_bound=8.0)  # compiles and tunes (those may sync)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        run(q, k, v, log_f, cu, do, acp=acp, logit_bound=8.0)
+        run(q, k, v, log_f, cu, do, acp=acp, logit_bound=torch.tensor(8.0, device=DEV))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert 0 < acp.stats.pruned_fraction() < 1
+
+
 def brute_kstart(lam2: torch.Tensor, delta2: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
     """kstart by its definition: per query tile, the first key tile (from its document's start
     tile) whose largest decay lam[first query] - lam[tile end] reaches the threshold."""

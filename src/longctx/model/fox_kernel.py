@@ -314,8 +314,10 @@ def thresholds(q: torch.Tensor, k: torch.Tensor, scale: float, max_len: torch.Te
         qn = q.float().norm(dim=-1).amax(0)
         kn = k.float().norm(dim=-1).amax(0).repeat_interleave(h // hk)
         u = qn * kn * scale
-    else:
-        u = torch.as_tensor(logit_bound, dtype=torch.float32, device=q.device).expand(h)
+    elif isinstance(logit_bound, torch.Tensor):
+        u = logit_bound.to(q.device, torch.float32).expand(h)
+    else:  # a number: filled on the device, since copying a host tensor over would synchronise
+        u = torch.full((h,), float(logit_bound), device=q.device)
     return -(2 * u + max_len.float().log()) + math.log(eps)
 
 
