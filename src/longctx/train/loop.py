@@ -162,14 +162,14 @@ def train(model: Transformer, data: PackedDataset, cfg: TrainConfig, out: Path, 
         lr = lr_at(step, cfg.steps, cfg.lr, cfg.warmup, cfg.lr_min)
         for g in opt.param_groups:
             g["lr"] = lr
-        total = 0.0
+        total = torch.zeros((), device=device)  # summed on the device: no wait between micro-batches
         for b in micro:
             with _autocast(device):
                 loss = model(b.ids, b.cu_seqlens, sp_group=par.sp_group, labels=b.labels,
                              loss_chunk=cfg.loss_chunk) / max(valid, 1)
             loss.backward()
-            total += loss.item()
-        total = par.sum(total)
+            total += loss.detach().float()
+        total = par.sum(float(total))
         if not math.isfinite(total):
             docs = [data.provenance(i) for i in samples]
             raise TrainingDiverged(f"step {step}: loss is {total}; no checkpoint written for it (last good: "
