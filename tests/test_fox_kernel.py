@@ -145,12 +145,13 @@ def test_a_call_with_acp_never_waits_for_the_gpu():
     cu = split(SIZE, 3, gen)
     do = torch.randn(SIZE, 4, 64, generator=gen).to(DEV, DTYPE)
     acp = fk.Acp()
+    bound = torch.tensor(8.0, device=DEV)  # made before the check: making it copies from the host
     run(q, k, v, log_f, cu, do, acp=acp, logit_bound=8.0)  # compiles and tunes (those may sync)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         run(q, k, v, log_f, cu, do, acp=acp, logit_bound=8.0)
-        run(q, k, v, log_f, cu, do, acp=acp, logit_bound=torch.tensor(8.0, device=DEV))
+        run(q, k, v, log_f, cu, do, acp=acp, logit_bound=bound)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert 0 < acp.stats.pruned_fraction() < 1
