@@ -84,7 +84,7 @@ def measure(kernel: str, d: int, groups: int, option: tuple[int, int, int, int],
     compiled = compile_kernel(fn, constants, warps, stages, arch)
     row = {"kernel": kernel, "D": d, "groups": groups, "BM": bm, "BN": bn, "warps": warps, "stages": stages,
            **ptxas_report(compiled.asm["ptx"], arch), "shared_bytes": compiled.metadata.shared}
-    row["fits"] = row["shared_bytes"] <= SHARED_LIMIT.get(arch, SHARED_LIMIT[80])
+    row["fits"] = row["shared_bytes"] <= SHARED_LIMIT[arch]
     return row
 
 
