@@ -100,13 +100,15 @@ def _fwd_tiles(acc, den, m, q, lam_q, st_q, rows, kp, vp, lamk, lo, hi, sk, N, s
 
 
 @triton.jit
-def _key_range(START, KSTART, h, q0, N, NB, BM: tl.constexpr, BN: tl.constexpr, T: tl.constexpr):
-    """Keys of query block [q0, q0 + BM): [lo, mid) masked (earlier documents inside),
-    [mid, q0) unmasked, then the diagonal."""
+def _key_side(K, V, LAM, START, KSTART, h, q0, N, NB, GROUPS: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
+              BN: tl.constexpr, T: tl.constexpr):
+    """What query block [q0, q0 + BM) of head h reads keys from: its KV head's k and v, its
+    Lambda row, and the key range: [lo, mid) masked (earlier documents inside), [mid, q0)
+    unmasked, then the diagonal."""
     lo = tl.load(KSTART + h * NB + q0 // T) * T // BN * BN
     last = tl.minimum(q0 + BM, N) - 1
     mid = tl.minimum(tl.maximum(tl.cdiv(tl.load(START + last), BN) * BN, lo), q0)
-    return lo, mid
+    return K + (h // GROUPS) * D, V + (h // GROUPS) * D, LAM + h * N, lo, mid
 
 
 @triton.jit
@@ -122,10 +124,7 @@ def _fwd_kernel(Q, K, V, LAM, START, KSTART, OUT, LSE, N, NB, sq, sk, scale, SIZ
     q = tl.load(Q + rows[:, None] * sq + h * D + dims[None, :], mask=valid[:, None], other=0.0)
     lam_q = tl.load(LAM + h * N + rows, mask=valid, other=0.0)
     st_q = tl.load(START + rows, mask=valid, other=N)
-    kp = K + (h // GROUPS) * D
-    vp = V + (h // GROUPS) * D
-    lamk = LAM + h * N
-    lo, mid = _key_range(START, KSTART, h, q0, N, NB, BM, BN, T)
+    kp, vp, lamk, lo, mid = _key_side(K, V, LAM, START, KSTART, h, q0, N, NB, GROUPS, D, BM, BN, T)
     m = tl.full([BM], -1.0e30, tl.float32)
     den = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, D], tl.float32)
@@ -184,10 +183,7 @@ def _dq_kernel(Q, K, V, DO, LAM, ROW, DELTA, START, KSTART, DQ, DLQ, N, NB, sq, 
     r_q = tl.load(ROW + h * N + rows, mask=valid, other=0.0)
     dlt = tl.load(DELTA + h * N + rows, mask=valid, other=0.0)
     st_q = tl.load(START + rows, mask=valid, other=N)
-    kp = K + (h // GROUPS) * D
-    vp = V + (h // GROUPS) * D
-    lamk = LAM + h * N
-    lo, mid = _key_range(START, KSTART, h, q0, N, NB, BM, BN, T)
+    kp, vp, lamk, lo, mid = _key_side(K, V, LAM, START, KSTART, h, q0, N, NB, GROUPS, D, BM, BN, T)
     dq = tl.zeros([BM, D], tl.float32)
     dlq = tl.zeros([BM], tl.float32)
     dq, dlq = _dq_tiles(dq, dlq, q, do, r_q, dlt, st_q, rows, kp, vp, lamk, lo, mid, sk, N, scale,
