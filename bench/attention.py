@@ -19,19 +19,14 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _results import write_result  # noqa: E402
-
-from longctx.model.fox_kernel import Acp, fox_attention  # noqa: E402
+from longctx.model.fox_kernel import Acp, fox_attention
+from longctx.perf import write_result
 
 TARGETS = {("fox", 16384): 1.3, ("fox_acp", 16384): 1.0, ("fox_acp", 65536): 0.6}
 

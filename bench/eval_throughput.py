@@ -10,23 +10,18 @@ agree between ours and transformers.
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _results import write_result  # noqa: E402
-
-from longctx.data.tokenizer import TextTokenizer  # noqa: E402
-from longctx.eval import suite  # noqa: E402
-from longctx.model.config import PRESETS, FoxConfig, ModelConfig, RopeConfig  # noqa: E402
-from longctx.model.hf import save_hf  # noqa: E402
-from longctx.model.transformer import Transformer  # noqa: E402
+from longctx.data.tokenizer import TextTokenizer
+from longctx.perf import write_result
+from longctx.eval import suite
+from longctx.model.config import PRESETS, FoxConfig, ModelConfig, RopeConfig
+from longctx.model.hf import save_hf
+from longctx.model.transformer import Transformer
 
 TASKS = ["niah_single_noise", "json_kv", "variable_tracking", "passkey"]
 

@@ -16,7 +16,6 @@ os.environ.pop("TRITON_INTERPRET", None)  # compile for the GPU even where tests
 import argparse  # noqa: E402
 import re  # noqa: E402
 import subprocess  # noqa: E402
-import sys  # noqa: E402
 import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -25,12 +24,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _results import write_result  # noqa: E402
-
 from longctx.model import fox_kernel as fk  # noqa: E402
+from longctx.perf import write_result  # noqa: E402
 
 # the most dynamic shared memory one block may use, per compute capability (CUDA guide, table 21)
 SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448}

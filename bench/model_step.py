@@ -1,10 +1,8 @@
-"""Training-step cost of the model core on one GPU (issue 3).
-
-1. Forward+backward tokens/s of the 125M shape (12 x 768, heads of 64), as a Llama-style
-   Transformer (RoPE) and as FoX (Pro), at 4K and 16K tokens (one document), for every
-   attention backend that runs here. bf16 weights, chunked loss.
-2. Peak GPU memory of one 64K-token training step with the chunked loss against the plain one
-   (full logits), same model.
+"""Training-step cost of the model core per attention backend on one GPU (issue 3): full
+optimizer steps of the 125M shape (12 x 768, heads of 64) as the training stages run them
+(compiled blocks, FSDP2 bf16 over fp32), Llama-style (RoPE) and FoX (Pro), at 4K and 16K tokens
+(one document), for every backend that runs each; and the peak memory of a 64K-token step with
+the chunked loss against the plain one (full logits).
 
     python bench/model_step.py --out bench/results      # on a CUDA machine
 """
@@ -12,104 +10,68 @@
 from __future__ import annotations
 
 import argparse
-import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from _results import write_result  # noqa: E402
-
-from longctx.model import attention  # noqa: E402
-from longctx.model.config import PRESETS, FoxConfig, ModelConfig  # noqa: E402
-from longctx.model.loss import chunked_cross_entropy, shift_labels  # noqa: E402
-from longctx.model.config import RopeConfig  # noqa: E402
-from longctx.model.transformer import Transformer  # noqa: E402
+from longctx.model import attention
+from longctx.model.loss import IGNORE, chunked_cross_entropy
+from longctx.perf import measure, one_document, prepared, write_result
+from longctx.train.models import build, preset
+from longctx.train.parallel import Parallel
 
 
-def model_for(kind: str, backend: str) -> Transformer:
-    shape = dict(PRESETS["fox-125m"], max_position_embeddings=65536)
-    if kind == "fox":
-        cfg = ModelConfig(**shape, rope=None, fox=FoxConfig())
-    else:
-        cfg = ModelConfig(**shape, rope=RopeConfig(theta=500000.0))
-    torch.manual_seed(0)
-    return Transformer(cfg, attention_backend=backend).cuda().to(torch.bfloat16)
-
-
-def step(model: Transformer, ids: torch.Tensor, cu: torch.Tensor, chunked: bool) -> None:
-    labels = shift_labels(ids, cu)
-    hidden = model.hidden(ids, cu)
-    if chunked:
-        loss = chunked_cross_entropy(hidden, model.lm_head.weight, labels) / labels.numel()
-    else:
-        loss = F.cross_entropy(model.lm_head(hidden).float(), labels, ignore_index=-100)
-    loss.backward()
-
-
-def timed(model: Transformer, tokens: int, iters: int) -> float:
-    ids = torch.randint(0, model.cfg.vocab_size, (tokens,), device="cuda")
-    cu = torch.tensor([0, tokens], dtype=torch.int32, device="cuda")
-    for _ in range(2):
-        step(model, ids, cu, chunked=True)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        step(model, ids, cu, chunked=True)
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / iters
-
-
-def peak_memory(chunked: bool, tokens: int) -> float:
-    model = model_for("llama", "auto")
-    ids = torch.randint(0, model.cfg.vocab_size, (tokens,), device="cuda")
-    cu = torch.tensor([0, tokens], dtype=torch.int32, device="cuda")
+def loss_memory(chunked: bool, tokens: int) -> float:
+    """Peak GiB of forward + backward of the 125M shape (bf16 weights) with either loss."""
+    model = build(preset("fox-125m", "llama", tokens), device="cuda").to(torch.bfloat16)
+    b = one_document(tokens, model.cfg.vocab_size, torch.device("cuda"))
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    step(model, ids, cu, chunked)
+    hidden = model.hidden(b.ids, b.cu_seqlens)
+    if chunked:
+        loss = chunked_cross_entropy(hidden, model.lm_head.weight, b.labels)
+    else:
+        loss = F.cross_entropy(model.lm_head(hidden).float(), b.labels, ignore_index=IGNORE, reduction="sum")
+    loss.backward()
     torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() / 2**30
-    del model
-    torch.cuda.empty_cache()
-    return peak
+    return torch.cuda.max_memory_allocated() / 2**30
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, default=Path("bench/results"))
-    args = parser.parse_args()
-    dev = torch.device("cuda")
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, default=Path("bench/results"))
+    args = ap.parse_args()
+    par = Parallel(device=torch.device("cuda"))
     rows = []
-    for kind in ("llama", "fox"):
-        for backend in attention.available(dev):
-            if backend == "reference" or (kind == "fox" and backend in ("flash_attn", "varlen")):
+    for arch in ("llama", "fox"):
+        for backend in attention.available(par.device):
+            if backend == "reference" or (arch == "fox" and backend in attention.PLAIN_ONLY):
                 continue
             for tokens in (4096, 16384):
-                model = model_for(kind, backend)
+                row = {"model": arch, "backend": backend, "tokens": tokens}
                 try:
-                    sec = timed(model, tokens, iters=5 if tokens > 4096 else 10)
-                    rows.append({"model": kind, "backend": backend, "tokens": tokens, "ms": round(sec * 1e3, 2),
-                                 "tokens_per_s": round(tokens / sec)})
+                    run = prepared(preset("fox-125m", arch, tokens), par, compile=True, backend=backend)
+                    batch = one_document(tokens, run.model.cfg.vocab_size, par.device)
+                    row.update(measure(run, lambda i: [batch], steps=5 if tokens > 4096 else 10))
                 except Exception as e:  # a backend that cannot run this shape is reported, not hidden
-                    rows.append({"model": kind, "backend": backend, "tokens": tokens, "error": f"{type(e).__name__}: {e}"[:300]})
-                del model
+                    row["error"] = f"{type(e).__name__}: {e}"[:300]
+                run = None
                 torch.cuda.empty_cache()
-                print(rows[-1], flush=True)
+                rows.append(row)
+                print(row, flush=True)
     memory = {}
     for chunked in (True, False):
         try:
-            memory["chunked" if chunked else "plain"] = round(peak_memory(chunked, 65536), 2)
+            memory["chunked" if chunked else "plain"] = round(loss_memory(chunked, 65536), 2)
         except torch.OutOfMemoryError:
             memory["chunked" if chunked else "plain"] = "out of memory"
-    print(f"\n125M shape, fwd+bwd, bf16, one document, chunked loss ({torch.cuda.get_device_name()})")
+        torch.cuda.empty_cache()
+    print(f"\n125M shape, optimizer steps, compiled, one document ({torch.cuda.get_device_name()})")
     print(f"{'model':<6} {'backend':<11} {'tokens':>7} {'ms':>9} {'tokens/s':>10}")
     for r in rows:
-        print(f"{r['model']:<6} {r['backend']:<11} {r['tokens']:>7} {r.get('ms', '-'):>9} "
-              f"{r.get('tokens_per_s', r.get('error', '')):>10}")
+        ms = f"{r['step_s'] * 1e3:.1f}" if "step_s" in r else "-"
+        print(f"{r['model']:<6} {r['backend']:<11} {r['tokens']:>7} {ms:>9} {r.get('tokens_per_s_per_gpu', r.get('error', '')):>10}")
     print(f"peak memory of a 64K-token step: chunked loss {memory['chunked']} GiB, plain loss {memory['plain']} GiB")
     write_result(args.out, "model_step", {"rows": rows, "peak_memory_gib_64k": memory})
 

@@ -1,9 +1,10 @@
-"""Training throughput on one GPU (issue 4): tokens/s and MFU of full optimizer steps (bf16
-autocast over fp32 weights, AdamW, chunked loss, as the training stages run) for the 125M and
-760M shapes, Llama-style, FoX (Pro) with the default attention backend (the Triton `fox` kernel
-on CUDA) and FoX (Pro) with ACP (forget gates at their initialisation), at 16K tokens; the
-FoX/Transformer ratio (FoX paper Table 6: 27k / 38k = 0.71 on 4 x L40S); and the longest
-single-document step the 760M shape fits with activation checkpointing.
+"""Training throughput on one GPU (issue 14): full optimizer steps as the training stages run
+them (the loop's own `prepare` and `train_step`: FSDP2 with bf16 weights over fp32 masters,
+AdamW, the chunked loss, compiled blocks), eager beside compiled, for the 125M and 760M shapes,
+Llama-style, FoX (Pro) and FoX (Pro) with ACP (forget gates at their initialisation), at 16K
+tokens (one document) and at 64K; MFU over the datasheet peak (989 TFLOP/s) and over the bf16
+matmul rate measured on these GPUs (790); the FoX/Transformer ratios (FoX paper Table 6: 27k /
+38k = 0.71 on 4 x L40S); and with --profile, where one step's GPU time goes.
 
     python bench/train_throughput.py --out bench/results      # on a CUDA machine
 """
@@ -11,110 +12,80 @@ single-document step the 760M shape fits with activation checkpointing.
 from __future__ import annotations
 
 import argparse
-import sys
-import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from longctx.perf import attention_name, measure, one_document, prepared, profile, write_result
+from longctx.train.models import preset
+from longctx.train.parallel import Parallel
 
-from _results import write_result  # noqa: E402
-
-from longctx.model import attention  # noqa: E402
-from longctx.model.attention import Acp  # noqa: E402
-from longctx.model.config import PRESETS, FoxConfig, ModelConfig, RopeConfig  # noqa: E402
-from longctx.model.loss import shift_labels  # noqa: E402
-from longctx.model.transformer import Transformer  # noqa: E402
-from longctx.train.loop import Batch, _peak_flops, flop_params, step_flops  # noqa: E402
-from longctx.train.optim import adamw  # noqa: E402
-
-
-def model_backend(model: Transformer) -> str:
-    return attention.select(model.attention_backend, torch.device("cuda"), model.cfg.fox is not None).__name__
-
-
-def build(shape: str, fox: bool, window: int) -> Transformer:
-    dims = dict(PRESETS[shape], max_position_embeddings=window)
-    cfg = ModelConfig(**dims, rope=None, fox=FoxConfig()) if fox else ModelConfig(**dims, rope=RopeConfig(theta=5e5))
-    torch.manual_seed(0)
-    return Transformer(cfg).cuda()
-
-
-def run_steps(model: Transformer, tokens: int, steps: int, checkpointing: bool) -> tuple[float, Batch]:
-    model.checkpoint_layers = checkpointing
-    opt = adamw(model, 1e-4, (0.9, 0.95), 0.1)
-    ids = torch.randint(0, model.cfg.vocab_size, (tokens,), device="cuda")
-    cu = torch.tensor([0, tokens], dtype=torch.int32, device="cuda")
-    batch = Batch(ids, cu, shift_labels(ids, cu), [0])
-    times = []
-    for i in range(steps + 2):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(ids, cu, labels=batch.labels) / tokens
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        if i >= 2:
-            times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2], batch
+MODELS = {"Transformer": ("llama", False), "FoX (Pro)": ("fox", False), "FoX (Pro) + ACP": ("fox", True)}
+# (shape, tokens, activation checkpointing, compile settings)
+SETTINGS = [("fox-125m", 16384, "none", (False, True)), ("fox-760m", 16384, "none", (False, True)),
+            ("fox-125m", 65536, "none", (True,)), ("fox-760m", 65536, "full", (True,))]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, default=Path("bench/results"))
-    parser.add_argument("--max-tokens", type=int, default=131072,
-                        help="longest step to try for the 760M shape (each doubling costs ~4x the time)")
-    args = parser.parse_args()
-    peak = _peak_flops(torch.device("cuda"))
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, default=Path("bench/results"))
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--profile", action="store_true", help="add one profiled step's GPU time by kernel kind")
+    ap.add_argument("--only", nargs="*", help="shapes to run (default all)")
+    ap.add_argument("--tokens", nargs="*", type=int, help="sequence lengths to run (default all)")
+    args = ap.parse_args()
+    par = Parallel(device=torch.device("cuda"))
     rows = []
-    for shape in ("fox-125m", "fox-760m"):
-        for name in ("Transformer", "FoX (Pro)", "FoX (Pro) + ACP"):
-            model = build(shape, name != "Transformer", 16384)
-            model.acp = Acp() if name.endswith("ACP") else None
-            sec, batch = run_steps(model, 16384, 5, checkpointing=False)
-            flops = step_flops(model.cfg, flop_params(model), batch)
-            rows.append({"shape": shape.removeprefix("fox-"), "model": name, "attention": model_backend(model),
-                         "tokens": 16384, "step_ms": round(sec * 1e3, 1), "tokens_per_s": round(16384 / sec),
-                         "mfu": round(flops / sec / peak, 4) if peak else None,
-                         "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)})
-            if model.acp is not None:
-                rows[-1]["acp_pruned_fraction"] = round(model.acp.stats.pruned_fraction(), 4)
-            print(rows[-1], flush=True)
-            del model
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
+    for shape, tokens, recompute, compiles in SETTINGS:
+        if (args.only and shape not in args.only) or (args.tokens and tokens not in args.tokens):
+            continue
+        for name, (arch, acp) in MODELS.items():
+            for compile in compiles:
+                cfg = preset(shape, arch, tokens)
+                row = {"shape": shape.removeprefix("fox-"), "model": name, "tokens": tokens, "compile": compile,
+                       "recompute": recompute, "attention": attention_name(cfg, "auto", par.device)}
+                try:
+                    run = prepared(cfg, par, compile=compile, recompute=recompute, acp=acp)
+                    batch = one_document(tokens, cfg.vocab_size, par.device)
+                    row.update(measure(run, lambda i: [batch], args.steps))
+                    if args.profile and tokens == 16384:
+                        row["profile"] = profile(run, [batch])
+                except torch.OutOfMemoryError:
+                    row["error"] = "out of memory"
+                rows.append(row)
+                print({k: v for k, v in row.items() if k not in ("profile", "losses")}, flush=True)
+                write_result(args.out, "train_throughput", {"rows": rows}, quiet=True)  # a cut-short run keeps these
+                run = None
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
     ratios = {}
-    for shape in ("125m", "760m"):
-        t = next(r for r in rows if r["shape"] == shape and r["model"] == "Transformer")
-        for name in ("FoX (Pro)", "FoX (Pro) + ACP"):
-            f = next(r for r in rows if r["shape"] == shape and r["model"] == name)
-            ratios[f"{shape} {name}"] = round(f["tokens_per_s"] / t["tokens_per_s"], 3)
-    longest = {}
-    model = build("fox-760m", False, 1 << 20)
-    for tokens in (t for t in (32768, 65536, 131072, 262144, 524288) if t <= args.max_tokens):
-        try:
-            run_steps(model, tokens, 1, checkpointing=True)
-            longest = {"tokens": tokens, "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)}
-            print("fits", longest, flush=True)
-        except torch.OutOfMemoryError:
-            break
-        finally:
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-    print(f"\ntraining steps at 16K tokens, bf16 autocast, AdamW ({torch.cuda.get_device_name()})")
-    print(f"{'shape':<6} {'model':<16} {'ms/step':>9} {'tokens/s':>9} {'MFU':>7} {'peak GiB':>9}")
     for r in rows:
-        print(f"{r['shape']:<6} {r['model']:<16} {r['step_ms']:>9} {r['tokens_per_s']:>9} {r['mfu'] or '-':>7} "
-              f"{r['peak_memory_gib']:>9}")
+        if r["model"] != "Transformer" and "tokens_per_s_per_gpu" in r:
+            base = next((t for t in rows if t["model"] == "Transformer" and "tokens_per_s_per_gpu" in t and
+                         all(t[k] == r[k] for k in ("shape", "tokens", "compile"))), None)
+            if base:
+                key = f"{r['shape']} {r['tokens'] // 1024}K {'compiled' if r['compile'] else 'eager'} {r['model']}"
+                ratios[key] = round(r["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"], 3)
+    print(f"\ntraining steps, FSDP2 bf16 over fp32, AdamW, one document ({torch.cuda.get_device_name()})")
+    print(f"{'shape':<5} {'model':<16} {'tokens':>6} {'mode':<9} {'attention':<9} {'ms/step':>8} {'tokens/s':>9} "
+          f"{'MFU':>6} {'MFU/790':>7} {'GiB':>6} {'1st s':>6} {'graphs':>6}")
+    for r in rows:
+        mode = ("compiled" if r["compile"] else "eager") + ("" if r["recompute"] == "none" else f"+{r['recompute'][0]}AC")
+        if "error" in r:
+            print(f"{r['shape']:<5} {r['model']:<16} {r['tokens']:>6} {mode:<9} {r['attention']:<9} {r['error']}")
+            continue
+        print(f"{r['shape']:<5} {r['model']:<16} {r['tokens']:>6} {mode:<9} {r['attention']:<9} "
+              f"{r['step_s'] * 1e3:>8.1f} {r['tokens_per_s_per_gpu']:>9.0f} {r.get('mfu', '-'):>6} "
+              f"{r.get('mfu_matmul_ceiling', '-'):>7} {r.get('peak_memory_gib', '-'):>6} {r['first_step_s']:>6} "
+              f"{r['graphs_compiled']:>6}")
+    for r in rows:
+        if "profile" in r:
+            p = r["profile"]
+            print(f"{r['shape']} {r['model']} {'compiled' if r['compile'] else 'eager'}: step {p['wall_ms']} ms, "
+                  f"kernels {p['kernel_ms']} ms: {p['by_kind_ms']}; syncs {p['syncs']}; "
+                  f"graph breaks {r['graph_breaks']}")
     print(f"FoX/Transformer tokens/s: {ratios} (FoX paper Table 6: 0.71)")
-    print(f"longest 760M single-document step with activation checkpointing: {longest}")
-    write_result(args.out, "train_throughput",
-                 {"rows": rows, "fox_over_transformer": ratios, "longest_760m_step": longest})
+    write_result(args.out, "train_throughput", {"rows": rows, "fox_over_transformer": ratios})
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from longctx.model import attention
+from longctx.model import attention, cudnn_attention
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -38,9 +38,9 @@ BACKENDS = [b for b in attention.available(DEV) if b != "reference"]
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_backend_matches_reference(backend, fox, d, dtype):
-    if fox and backend in ("flash_attn", "varlen"):
+    if fox and backend in attention.PLAIN_ONLY:
         pytest.skip("no forget gate in this backend")
-    if dtype == torch.float32 and backend in ("flash_attn", "varlen"):
+    if dtype == torch.float32 and backend in attention.PLAIN_ONLY:
         pytest.skip("flash kernels take half precision only")
     (q, k, v, log_f), cu = inputs(1024, 4, 2, d, dtype, seed=d + fox)
     leaves = [t.detach().requires_grad_(True) for t in (q, k, v, log_f)]
@@ -56,3 +56,34 @@ def test_backend_matches_reference(backend, fox, d, dtype):
     assert rel(out, ref) <= tol
     for name, a, b in zip("q k v log_f".split(), grads, ref_grads, strict=False):
         assert rel(a, b) <= tol, (name, rel(a, b))
+
+
+@pytest.mark.parametrize("lengths", [[17, 300, 129, 578], [1024], [40, 1000, 3], [256, 1, 767]])
+@pytest.mark.parametrize("heads", [(8, 8), (8, 2)])
+@pytest.mark.parametrize("d", [64, 128])
+def test_cudnn_routes_long_and_short_documents(lengths, heads, d, monkeypatch):
+    """Documents of at least LONG_DOC tokens take cuDNN (padded to a plan size), the rest
+    FlashAttention-2: both against the fp64 reference, GQA too, with and without a host plan."""
+    if "cudnn" not in attention.available(DEV):
+        pytest.skip("no cuDNN attention here")
+    monkeypatch.setattr(cudnn_attention, "LONG_DOC", 128)
+    n = sum(lengths)
+    bounds = [0]
+    for length in lengths:
+        bounds.append(bounds[-1] + length)
+    cu = torch.tensor(bounds, dtype=torch.int32, device=DEV)
+    gen = torch.Generator(device=DEV).manual_seed(n + d)
+    h, hk = heads
+    leaves = [torch.randn(n, x, d, generator=gen, device=DEV, dtype=torch.bfloat16).requires_grad_(True)
+              for x in (h, hk, hk)]
+    ref_leaves = [t.detach().double().requires_grad_(True) for t in leaves]
+    for plan in (attention.plan("cudnn", bounds, DEV), None):
+        out = attention.cudnn(*leaves, cu, plan=plan)
+        ref = attention.reference(*ref_leaves, cu)
+        g = torch.randn_like(ref)
+        grads = torch.autograd.grad(out, leaves, g.to(out.dtype))
+        ref_grads = torch.autograd.grad(ref, ref_leaves, g)
+        assert rel(out, ref) <= 1e-2
+        for name, a, b in zip("qkv", grads, ref_grads, strict=True):
+            assert rel(a, b) <= 1e-2, (name, rel(a, b))
+

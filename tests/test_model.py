@@ -166,3 +166,26 @@ def test_bad_shapes_are_refused():
         ModelConfig(vocab_size=10, d_model=32, n_layers=1, n_heads=4, n_kv_heads=3, ffn_dim=8)
     with pytest.raises(ValueError, match="unknown"):
         Transformer(small(), attention_backend="nope")
+
+
+def test_cudnn_plan_routes_documents_by_length():
+    from longctx.model import cudnn_attention as ca
+
+    plan = ca.plan([0, 17, 317, 1500, 1502, 3000], torch.device("cpu"))
+    assert plan.long_docs.tolist() == [[317, 1183, 1280], [1502, 1498, 1536]]  # start, length, padded
+    assert plan.short_index.tolist() == [*range(0, 317), 1500, 1501]
+    assert plan.short_cu.tolist() == [0, 17, 317, 319]
+    sizes = {ca.padded_length(n) for n in range(1024, 65537)}
+    assert len(sizes) <= 7 * 8  # a few cuDNN plans per octave
+    assert all(n <= ca.padded_length(n) < 1.13 * n for n in range(1024, 65537))
+
+
+def test_doc_cumsum_restarts_at_every_document_with_its_gradient():
+    torch.manual_seed(0)
+    log_f = F.logsigmoid(torch.randn(40, 3, dtype=torch.float64)).requires_grad_(True)
+    cu = torch.tensor([0, 7, 8, 30, 40], dtype=torch.int32)
+    lam = attention.doc_cumsum(log_f, cu)
+    want = torch.cat([log_f[a:b].cumsum(0) for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())])
+    torch.testing.assert_close(lam, want)
+    g = torch.randn_like(want)
+    torch.testing.assert_close(torch.autograd.grad(lam, log_f, g)[0], torch.autograd.grad(want, log_f, g)[0])

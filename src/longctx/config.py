@@ -26,7 +26,7 @@ from pydantic import (
 )
 
 from .errors import ConfigError
-from .model.config import FoxConfig
+from .model.config import FoxConfig, Recompute
 
 SUM_TOLERANCE = 1e-6
 
@@ -203,7 +203,14 @@ class TrainConfig(Strict):
     checkpoint_every: PositiveInt = 100
     keep_last: PositiveInt = 2
     loss_chunk: PositiveInt = 2048
-    activation_checkpointing: bool = False
+    activation_checkpointing: Recompute = "none"
+    """Per block: none, full (recompute the block in the backward) or selective (keep matmul and
+    attention outputs, recompute the elementwise work)."""
+    compile: bool = True
+    """torch.compile each block and the loss on CUDA (CPU runs stay eager)."""
+    offload: bool = False
+    """FSDP2 CPU offload of parameters, gradients and optimizer state (GPU runs; the optimizer
+    then steps on the CPU): for sequences too long for the GPU otherwise."""
     acp_eps: float | None = Field(default=None, gt=0, lt=1)
     """Adaptive Computation Pruning of FoX attention: skip tiles whose entries each carry under
     eps / L of their row (the paper's e^-10 = 4.54e-5). Needs the 'fox' attention backend

@@ -9,11 +9,17 @@ Backends (one signature, chosen by `select`):
   reference   explicit softmax in fp32; every feature, any device. The ground truth for tests.
   sdpa        PyTorch's scaled_dot_product_attention per document: its flash / memory-efficient
               kernels for plain causal attention, an additive bias for FoX. Any device.
+  cudnn       cuDNN's fused kernel per long document, FlashAttention-2 for the short ones
+              (cudnn_attention.py; CUDA, the default there for plain attention); no FoX.
   flash_attn  flash_attn_varlen_func (CUDA, when flash-attn is installed); no FoX.
   varlen      torch.nn.attention.varlen.varlen_attn, PyTorch's built-in flash path (CUDA); no FoX.
   flex        FlexAttention with a document block mask and the FoX decay as a score_mod (CUDA).
   fox         our Triton kernel (fox_kernel.py): FoX decay, documents, GQA, and Adaptive
               Computation Pruning when given an `Acp` (CUDA; the default for FoX there).
+
+Backends that need the document lengths on the host (the flash kernels size their grids by the
+longest; 'cudnn' routes each document) take a `plan`, made once per forward by `plan` from
+boundaries the caller holds on the host; without one they read the boundaries off the device.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from . import cudnn_attention
+
 AttentionFn = Callable[..., torch.Tensor]
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 """Triton kernels run in its interpreter (tests without CUDA): the 'fox' backend works on CPU."""
@@ -37,14 +45,16 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 def doc_cumsum(log_f: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """Lambda: the cumulative sum of log forget gates [N, H], restarting at each document (fp32,
     or fp64 for fp64 inputs). Returned as the transpose of a contiguous [H, N]: PyTorch scans a
-    leading axis 50x slower than a trailing one (16K x 16 on an H200: 4.3 ms against 0.08 ms)."""
+    leading axis 50x slower than a trailing one (16K x 16 on an H200: 4.3 ms against 0.08 ms).
+    What earlier documents add is subtracted as a second scan over jumps at document starts, not
+    by indexing the first scan per token: the backward of a per-token index is a sorting scatter
+    (16.6 ms per layer of a 125M FoX step at 16K on an H200)."""
     log_f = log_f.to(torch.promote_types(log_f.dtype, torch.float32)).T.contiguous()
     total = log_f.cumsum(-1)
-    n = total.shape[-1]
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    first = cu_seqlens[:-1].long().repeat_interleave(lengths, output_size=n)
-    before = torch.where(first > 0, total[:, (first - 1).clamp(min=0)], 0.0)
-    return (total - before).T
+    starts = cu_seqlens[1:-1].long()
+    before = total[:, starts - 1]  # everything before each later document's start
+    jumps = torch.zeros_like(total).index_add_(1, starts, torch.diff(before, dim=-1, prepend=torch.zeros_like(before[:, :1])))
+    return (total - jumps.cumsum(-1)).T
 
 
 def _doc_ids(cu_seqlens: torch.Tensor, n: int) -> torch.Tensor:
@@ -126,32 +136,45 @@ def _flash_only(name: str, q: torch.Tensor, log_f: torch.Tensor | None) -> None:
                          f"{q.shape[-1]}; use 'sdpa' or 'flex'")
 
 
-def _max_len(cu_seqlens: torch.Tensor) -> int:
-    return int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+def _max_len(bounds: list[int]) -> int:
+    return max(b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True))
 
 
-def flash_attn(q, k, v, cu_seqlens, log_f=None, scale=None):
+def flash_attn(q, k, v, cu_seqlens, log_f=None, scale=None, plan: int | None = None):
     _flash_only("flash_attn", q, log_f)
     from flash_attn import flash_attn_varlen_func
 
-    n = _max_len(cu_seqlens)
+    n = plan if plan is not None else _max_len(cu_seqlens.tolist())
     return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, n, n, softmax_scale=scale, causal=True)
 
 
-def varlen(q, k, v, cu_seqlens, log_f=None, scale=None):
+@functools.cache
+def _varlen_gqa() -> bool:
+    from torch.nn.attention.varlen import varlen_attn
+
+    return "enable_gqa" in inspect.signature(varlen_attn).parameters  # torch >= 2.12
+
+
+def varlen(q, k, v, cu_seqlens, log_f=None, scale=None, plan: int | None = None):
+    """`plan`: the longest document's length."""
     _flash_only("varlen", q, log_f)
     from torch.nn.attention.varlen import varlen_attn
 
     extra = {}
     if k.shape[1] != q.shape[1]:
-        if "enable_gqa" in inspect.signature(varlen_attn).parameters:  # torch >= 2.12
+        if _varlen_gqa():
             extra["enable_gqa"] = True
         else:
             groups = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    n = _max_len(cu_seqlens)
+    n = plan if plan is not None else _max_len(cu_seqlens.tolist())
     # window (-1, 0) is causal attention (torch 2.11 has no is_causal here)
     return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, n, n, scale=scale, window_size=(-1, 0), **extra)
+
+
+def cudnn(q, k, v, cu_seqlens, log_f=None, scale=None, plan: cudnn_attention.Plan | None = None):
+    _flash_only("cudnn", q, log_f)
+    return cudnn_attention.attend(q, k, v, cu_seqlens, plan, scale)
 
 
 @functools.cache
@@ -240,8 +263,27 @@ def fox(q, k, v, cu_seqlens, log_f=None, scale=None, acp: Acp | None = None, log
     return fox_attention(q, k, v, cu_seqlens, log_f, scale, acp=acp, logit_bound=logit_bound)
 
 
-BACKENDS: dict[str, AttentionFn] = {"reference": reference, "sdpa": sdpa, "flash_attn": flash_attn,
+def fox_pruned(q, k, v, cu_seqlens, log_f, *, eps: float, logit_bound=None):
+    """The 'fox' kernel with ACP and no side effects (what compiled code calls): (out, [kept,
+    total] causal tiles), the counts for the caller to add to its `AcpStats`."""
+    from .fox_kernel import attend
+
+    return attend(q, k, v, cu_seqlens, log_f, acp_eps=eps, logit_bound=logit_bound)
+
+
+BACKENDS: dict[str, AttentionFn] = {"reference": reference, "sdpa": sdpa, "cudnn": cudnn, "flash_attn": flash_attn,
                                     "varlen": varlen, "flex": flex, "fox": fox}
+PLAIN_ONLY = ("cudnn", "flash_attn", "varlen")
+"""Backends without the forget gate."""
+
+
+def plan(name: str, bounds: list[int], device: torch.device):
+    """What backend `name` needs to know of the documents (host boundaries `bounds`), or None."""
+    if name == "cudnn":
+        return cudnn_attention.plan(bounds, device)
+    if name in ("flash_attn", "varlen"):
+        return _max_len(bounds)
+    return None
 
 
 def available(device: torch.device) -> list[str]:
@@ -250,6 +292,8 @@ def available(device: torch.device) -> list[str]:
         names.append("fox")
     if device.type == "cuda":
         names.append("flex")
+        if torch.cuda.get_device_capability(device) >= (8, 0) and (torch.backends.cudnn.version() or 0) >= 90000:
+            names.append("cudnn")
         if importlib.util.find_spec("torch.nn.attention.varlen") is not None:
             names.append("varlen")
         if importlib.util.find_spec("flash_attn") is not None:
@@ -257,24 +301,30 @@ def available(device: torch.device) -> list[str]:
     return names
 
 
-def select(name: str, device: torch.device, fox: bool) -> AttentionFn:
+def resolve(name: str, device: torch.device, fox: bool) -> str:
     """The backend for a config value, checked against the device and the model: a name from
-    BACKENDS, or "auto" for the fastest that can run it."""
+    BACKENDS, or "auto" for the fastest that can run it (cuDNN's kernel on Hopper, measured 1.5x
+    FlashAttention-2 there)."""
     here = available(device)
     if name == "auto":
         if device.type != "cuda":
-            return sdpa
+            return "sdpa"
         if fox:
-            return BACKENDS["fox"] if "fox" in here else flex
-        for fast in ("flash_attn", "varlen"):
+            return "fox" if "fox" in here else "flex"
+        hopper = torch.cuda.get_device_capability(device) >= (9, 0)
+        for fast in ("cudnn", "flash_attn", "varlen") if hopper else ("flash_attn", "varlen"):
             if fast in here:
-                return BACKENDS[fast]
-        return sdpa
+                return fast
+        return "sdpa"
     if name not in BACKENDS:
         raise ValueError(f"attention backend {name!r} is unknown (known: {sorted(BACKENDS)}; on {device.type}: {here})")
     if name not in here:
         raise ValueError(f"attention backend {name!r} cannot run on {device.type} here; use one of {here}")
-    if fox and name in ("flash_attn", "varlen"):
+    if fox and name in PLAIN_ONLY:
         raise ValueError(f"attention backend {name!r} has no forget gate; for FoX use "
-                         f"{[b for b in here if b not in ('flash_attn', 'varlen')]}")
-    return BACKENDS[name]
+                         f"{[b for b in here if b not in PLAIN_ONLY]}")
+    return name
+
+
+def select(name: str, device: torch.device, fox: bool) -> AttentionFn:
+    return BACKENDS[resolve(name, device, fox)]

@@ -9,6 +9,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 RopeType = Literal["default", "linear", "dynamic", "yarn", "llama3", "longrope"]
+Recompute = Literal["none", "full", "selective"]
+"""Activation checkpointing of a block (model/recompute.py)."""
 
 
 class RopeConfig(BaseModel):
@@ -109,4 +111,6 @@ PRESETS: dict[str, dict] = {
     "fox-760m": dict(vocab_size=50277, d_model=1536, n_layers=24, n_heads=24, ffn_dim=4096),
     "llama3-8b": dict(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
                       max_position_embeddings=8192, rope=RopeConfig(theta=500000.0)),
+    # for CPU runs of the benchmarks
+    "tiny": dict(vocab_size=512, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128),
 }

@@ -320,14 +320,26 @@ def thresholds(q: torch.Tensor, k: torch.Tensor, scale: float, max_len: torch.Te
 def bounds(lam2: torch.Tensor, delta: torch.Tensor | None, start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """kstart [H, NB] (first key tile per query tile) and qend [H, NB] (first query tile past each
     key tile), from Lambda in log2 units [H, N] and thresholds in natural units (None: no ACP)."""
+    acp = delta is not None
+    delta2 = (delta * LOG2E if acp else torch.zeros(lam2.shape[0], device=lam2.device)).float().contiguous()
+    return _bounds(lam2, delta2, start, acp)
+
+
+@torch.library.custom_op("longctx::fox_bounds", mutates_args=())
+def _bounds(lam2: torch.Tensor, delta2: torch.Tensor, start: torch.Tensor, acp: bool) -> tuple[torch.Tensor, torch.Tensor]:
     h, n = lam2.shape
     nb = triton.cdiv(n, TILE)
     kstart = torch.empty(h, nb, dtype=torch.int32, device=lam2.device)
     qend = torch.empty_like(kstart)
-    acp = delta is not None
-    delta2 = (delta * LOG2E if acp else torch.zeros(h, device=lam2.device)).float().contiguous()
     _bounds_kernel[(h,)](lam2, delta2, start, kstart, qend, n, nb, ACP=acp, T=TILE)
     return kstart, qend
+
+
+@_bounds.register_fake
+def _(lam2, delta2, start, acp):
+    nb = (lam2.shape[1] + TILE - 1) // TILE
+    kstart = lam2.new_empty(lam2.shape[0], nb, dtype=torch.int32)
+    return kstart, torch.empty_like(kstart)
 
 
 def tile_counts(kstart: torch.Tensor, start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -340,60 +352,87 @@ def tile_counts(kstart: torch.Tensor, start: torch.Tensor) -> tuple[torch.Tensor
     return kept, total
 
 
-class _FoxAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, lam2, start, end, kstart, qend, sm_scale):
-        n, h, d = q.shape
-        groups = h // k.shape[1]
-        o = torch.empty_like(q)
-        lse = torch.empty(h, n, dtype=torch.float32, device=q.device)
-        nb = kstart.shape[1]
-        scale = sm_scale * LOG2E
+# The kernels as custom ops: torch.compile sees one op per pass and never traces into Triton's
+# launcher (autotuning and grids stay eager).
 
-        def grid(meta):
-            return triton.cdiv(n, meta["BM"]), h
+@torch.library.custom_op("longctx::fox_forward", mutates_args=())
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam2: torch.Tensor, start: torch.Tensor,
+             end: torch.Tensor, kstart: torch.Tensor, qend: torch.Tensor,
+             sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, log-sum-exp [H, N] in log2 units); `end` and `qend` ride along for the backward."""
+    n, h, d = q.shape
+    o = torch.empty_like(q)
+    lse = torch.empty(h, n, dtype=torch.float32, device=q.device)
 
-        _fwd[grid](q, k, v, lam2, start, kstart, o, lse, n, nb, q.stride(0), k.stride(0), scale, n.bit_length(),
-                   GROUPS=groups, D=d, T=TILE, PREC=_precision(q))
-        ctx.save_for_backward(q, k, v, o, lse, lam2, start, end, kstart, qend)
-        ctx.sm_scale = sm_scale
-        return o
+    def grid(meta):
+        return triton.cdiv(n, meta["BM"]), h
 
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, o, lse, lam2, start, end, kstart, qend = ctx.saved_tensors
-        n, h, d = q.shape
-        hk = k.shape[1]
-        do = do.contiguous()
-        delta = (do.float() * o.float()).sum(-1).T.contiguous()  # [H, N]
-        row = lam2 - lse  # each row's Lambda minus its log-sum-exp: one add per logit, not two
-        nb = kstart.shape[1]
-        scale = ctx.sm_scale * LOG2E
-        size = n.bit_length()
-        dk = torch.empty_like(k)
-        dv = torch.empty_like(v)
-        dlk = torch.empty(h, n, dtype=torch.float32, device=q.device)
+    _fwd[grid](q, k, v, lam2, start, kstart, o, lse, n, kstart.shape[1], q.stride(0), k.stride(0), sm_scale * LOG2E,
+               n.bit_length(), GROUPS=h // k.shape[1], D=d, T=TILE, PREC=_precision(q))
+    return o, lse
 
-        def kv_grid(meta):
-            return triton.cdiv(n, meta["BN"]), hk
 
-        _dkdv[kv_grid](q, k, v, do, lam2, row, delta, start, end, qend, dk, dv, dlk, n, nb, q.stride(0),
-                       k.stride(0), scale, ctx.sm_scale, size, GROUPS=h // hk, D=d, T=TILE, PREC=_precision(q))
-        # dq by its own pass over key tiles: measured faster at D = 128 than atomically adding dq
-        # from this kernel (16K: 12.9 vs 14.4 ms; D = 64: 14.5 vs 13.9 ms)
-        dq = torch.empty_like(q)
+@_forward.register_fake
+def _(q, k, v, lam2, start, end, kstart, qend, sm_scale):
+    return torch.empty_like(q), q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
 
-        def dq_grid(meta):
-            return triton.cdiv(n, meta["BM"]), h
 
-        dlq = torch.empty_like(dlk)
-        _dq[dq_grid](q, k, v, do, lam2, row, delta, start, kstart, dq, dlq, n, nb, q.stride(0), k.stride(0),
-                     scale, ctx.sm_scale, size, GROUPS=h // hk, D=d, T=TILE, PREC=_precision(q))
-        # the logits hold Lambda_i - Lambda_j: dLambda = row sums - column sums of dS (natural
-        # log units). The row sums vanish in exact arithmetic, but with them the rounding of the
-        # bf16 output in delta cancels instead of piling up in the reverse cumsum to d log f
-        # (without them d log f missed the bf16 tolerance on an H200)
-        return dq, dk, dv, (dlq + dlk) / LOG2E, None, None, None, None, None
+@torch.library.custom_op("longctx::fox_backward", mutates_args=())
+def _backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+              lse: torch.Tensor, lam2: torch.Tensor, start: torch.Tensor, end: torch.Tensor, kstart: torch.Tensor,
+              qend: torch.Tensor, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, d Lambda in log2 units)."""
+    n, h, d = q.shape
+    hk = k.shape[1]
+    delta = (do.float() * o.float()).sum(-1).T.contiguous()  # [H, N]
+    row = lam2 - lse  # each row's Lambda minus its log-sum-exp: one add per logit, not two
+    nb = kstart.shape[1]
+    scale = sm_scale * LOG2E
+    size = n.bit_length()
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    dlk = torch.empty(h, n, dtype=torch.float32, device=q.device)
+
+    def kv_grid(meta):
+        return triton.cdiv(n, meta["BN"]), hk
+
+    _dkdv[kv_grid](q, k, v, do, lam2, row, delta, start, end, qend, dk, dv, dlk, n, nb, q.stride(0),
+                   k.stride(0), scale, sm_scale, size, GROUPS=h // hk, D=d, T=TILE, PREC=_precision(q))
+    # dq by its own pass over key tiles: measured faster at D = 128 than atomically adding dq
+    # from this kernel (16K: 12.9 vs 14.4 ms; D = 64: 14.5 vs 13.9 ms)
+    dq = torch.empty_like(q)
+
+    def dq_grid(meta):
+        return triton.cdiv(n, meta["BM"]), h
+
+    dlq = torch.empty_like(dlk)
+    _dq[dq_grid](q, k, v, do, lam2, row, delta, start, kstart, dq, dlq, n, nb, q.stride(0), k.stride(0),
+                 scale, sm_scale, size, GROUPS=h // hk, D=d, T=TILE, PREC=_precision(q))
+    # the logits hold Lambda_i - Lambda_j: dLambda = row sums - column sums of dS (natural
+    # log units). The row sums vanish in exact arithmetic, but with them the rounding of the
+    # bf16 output in delta cancels instead of piling up in the reverse cumsum to d log f
+    # (without them d log f missed the bf16 tolerance on an H200)
+    return dq, dk, dv, (dlq + dlk) / LOG2E
+
+
+@_backward.register_fake
+def _(do, q, k, v, o, lse, lam2, start, end, kstart, qend, sm_scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(lam2)
+
+
+def _save(ctx, inputs, output):
+    q, k, v, lam2, start, end, kstart, qend, sm_scale = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], lam2, start, end, kstart, qend)
+    ctx.sm_scale = sm_scale
+
+
+def _grads(ctx, do, _dlse):
+    q, k, v, o, lse, lam2, start, end, kstart, qend = ctx.saved_tensors
+    dq, dk, dv, dlam = _backward(do.contiguous(), q, k, v, o, lse, lam2, start, end, kstart, qend, ctx.sm_scale)
+    return dq, dk, dv, dlam, None, None, None, None, None
+
+
+_forward.register_autograd(_grads, setup_context=_save)
 
 
 def _precision(q: torch.Tensor) -> str:
@@ -412,6 +451,17 @@ def fox_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
     With `acp`, tiles below the threshold are skipped (forward and backward) and the kept and
     total tile counts are added to acp.stats. `logit_bound` is U for the threshold (from
     QK-norm gains); without it U comes from the max norms of q and k."""
+    out, tiles = attend(q, k, v, cu_seqlens, log_f, scale, acp_eps=acp.eps if acp else None, logit_bound=logit_bound)
+    if acp is not None:
+        acp.stats.add(*tiles)
+    return out
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+           log_f: torch.Tensor | None = None, scale: float | None = None, *, acp_eps: float | None = None,
+           logit_bound: torch.Tensor | float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`fox_attention` without side effects (what compiled code calls): (out, [kept, total]
+    causal tiles, or None without ACP)."""
     n, h, d = q.shape
     if k.shape[1] == 0 or h % k.shape[1]:
         raise ValueError(f"fox attention: {h} query heads are not a multiple of {k.shape[1]} KV heads")
@@ -427,15 +477,13 @@ def fox_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
         lam2 = doc_cumsum(log_f, cu_seqlens).T * LOG2E  # [H, N] contiguous: doc_cumsum scans in that layout
     start, end = doc_bounds(cu_seqlens, n)
     delta = None
-    if acp is not None and log_f is not None:
+    pruned = acp_eps is not None and log_f is not None
+    if pruned:
         max_len = (cu_seqlens[1:] - cu_seqlens[:-1]).max()  # stays on the device: no sync per layer
-        with torch.no_grad():
-            delta = thresholds(q, k, sm_scale, max_len, acp.eps, logit_bound)
-    with torch.no_grad():
-        kstart, qend = bounds(lam2.detach(), delta, start)
-        if acp is not None:
-            acp.stats.add(*tile_counts(kstart, start))
+        delta = thresholds(q.detach(), k.detach(), sm_scale, max_len, acp_eps, logit_bound)
+    kstart, qend = bounds(lam2.detach(), delta, start)
+    tiles = torch.stack(tile_counts(kstart, start)) if acp_eps is not None else None
     dp = _padded_dim(d)
     q, k, v = (torch.nn.functional.pad(t, (0, dp - d)) if dp != d else t.contiguous() for t in (q, k, v))
-    out = _FoxAttention.apply(q, k, v, lam2, start, end, kstart, qend, sm_scale)
-    return out[..., :d] if dp != d else out
+    out = _forward(q, k, v, lam2, start, end, kstart, qend, sm_scale)[0]
+    return (out[..., :d] if dp != d else out), tiles

@@ -8,18 +8,20 @@ restart at every document. Parameter names follow HF Llama where the parts coinc
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-import torch.utils.checkpoint
 from torch import nn
 
 from . import attention, ulysses
 from .config import ModelConfig
 from .loss import chunked_cross_entropy
+from .recompute import MODES, Recompute, recomputed
 from .rope import cos_sin, depends_on_length, inverse_frequencies, rotate
+from .transfer import to_device
 
 
 class RMSNorm(nn.Module):
@@ -85,7 +87,8 @@ class Attention(nn.Module):
             if self.fox.output_norm:
                 self.o_norm = RMSNorm(d, cfg.norm_eps)
 
-    def forward(self, x: torch.Tensor, ctx: Context) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: Context) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(output, ACP's [kept, total] tiles or None)."""
         n = x.shape[0]
         cache = ctx.cache[self.index] if ctx.cache is not None else None
         shift = self.fox is not None and self.fox.kv_shift
@@ -115,10 +118,12 @@ class Attention(nn.Module):
             k = rotate(k.transpose(0, 1), ctx.cos, ctx.sin).transpose(0, 1)
         # one dtype for the kernels: under autocast, RoPE tables and norms come out in fp32
         q, k = q.to(v.dtype), k.to(v.dtype)
+        tiles = None
         if cache is not None:
             o = cache.attend(q, k, v, log_f, ctx.attend)
-        elif ctx.acp is not None:
-            o = ctx.attend(q, k, v, ctx.cu_seqlens, log_f, acp=ctx.acp, logit_bound=self.logit_bound())
+        elif ctx.acp_eps is not None:
+            o, tiles = attention.fox_pruned(q, k, v, ctx.cu_seqlens, log_f, eps=ctx.acp_eps,
+                                            logit_bound=self.logit_bound())
         else:
             o = ctx.attend(q, k, v, ctx.cu_seqlens, log_f)
         if self.fox and self.fox.output_norm:
@@ -126,7 +131,7 @@ class Attention(nn.Module):
         o = ulysses.heads_to_seq(o, ctx.sp_group).reshape(n, self.h * self.d)
         if self.fox and self.fox.output_gate:
             o = o * torch.sigmoid(self.ogate(x))
-        return self.o_proj(o)
+        return self.o_proj(o), tiles
 
 
     def logit_bound(self) -> torch.Tensor | None:
@@ -162,21 +167,30 @@ class Block(nn.Module):
         self.self_attn = Attention(cfg, index)
         self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = MLP(cfg)
+        self.recompute: Recompute = "none"
 
-    def forward(self, x: torch.Tensor, ctx: Context) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, ctx: Context) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(output, ACP's tile counts or None): the counts are returned, not recorded, so the
+        block has no side effects to trip torch.compile or to count twice when recomputed."""
+        if ctx.cache is not None or not torch.is_grad_enabled():
+            return self._residual(x, ctx)
+        return recomputed(self._residual, self.recompute, x, ctx)
+
+    def _residual(self, x: torch.Tensor, ctx: Context) -> tuple[torch.Tensor, torch.Tensor | None]:
+        a, tiles = self.self_attn(self.input_layernorm(x), ctx)
+        x = x + a
+        return x + self.mlp(self.post_attention_layernorm(x)), tiles
 
 
 class Context:
-    """What every layer of one forward pass shares: boundaries, rotary tables, the backend, and
-    when decoding, the per-layer caches (a cache holds one document). Boundaries, tables and
-    document starts cover all n tokens, also under sequence parallelism (`sp_group`)."""
+    """What every layer of one forward pass shares: boundaries, rotary tables, the backend (its
+    plan bound), and when decoding, the per-layer caches (a cache holds one document). Boundaries,
+    tables and document starts cover all n tokens, also under sequence parallelism (`sp_group`)."""
 
     def __init__(self, cu_seqlens: torch.Tensor, n: int, cos, sin, attend, cache=None, sp_group=None,
-                 acp: attention.Acp | None = None):
+                 acp_eps: float | None = None):
         self.cu_seqlens = cu_seqlens
-        self.acp = acp
+        self.acp_eps = acp_eps
         self.sp_group = sp_group
         self.cos, self.sin = cos, sin
         self.attend = attend
@@ -207,11 +221,23 @@ class Transformer(nn.Module):
             raise ValueError(f"attention backend {attention_backend!r} is unknown (known: "
                              f"{sorted(attention.BACKENDS)} or 'auto')")
         self.attention_backend = attention_backend
-        self.checkpoint_layers = False
-        """Recompute each layer's activations in the backward pass (memory for compute)."""
         self.acp: attention.Acp | None = None
         """Adaptive Computation Pruning in FoX attention (the 'fox' backend); stats in acp.stats."""
+        self.compiled_loss = False
+        """The loss's per-chunk math through torch.compile (set with the compiled blocks, CUDA)."""
         self.reset_parameters()
+
+    @property
+    def recompute(self) -> Recompute:
+        """Activation checkpointing of every block: 'none', 'full' or 'selective'."""
+        return self.layers[0].recompute
+
+    @recompute.setter
+    def recompute(self, mode: Recompute) -> None:
+        if mode not in MODES:
+            raise ValueError(f"activation checkpointing {mode!r} is unknown (known: {MODES})")
+        for layer in self.layers:
+            layer.recompute = mode
 
     def reset_parameters(self) -> None:
         std = self.cfg.init_std
@@ -254,36 +280,45 @@ class Transformer(nn.Module):
     def hidden(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
                position_ids: torch.Tensor | None = None, cache=None, sp_group=None) -> torch.Tensor:
         """Final hidden states [N, d_model] for packed ids [N] (or a batch [B, T], flattened).
-        With a `decode.Cache`, ids continue the single document the cache holds. With a
-        sequence-parallel group, every rank passes the whole micro-batch and gets the hidden
-        states of its own slice, `ulysses.bounds(N, sp_group)`."""
+        `cu_seqlens` may be on the host: backends that size kernels or route documents by length
+        then read it there, with no device sync. With a `decode.Cache`, ids continue the single
+        document the cache holds. With a sequence-parallel group, every rank passes the whole
+        micro-batch and gets the hidden states of its own slice, `ulysses.bounds(N, sp_group)`."""
         ids = input_ids.reshape(-1)
-        n = ids.numel()
+        n, device = ids.numel(), ids.device
         if cache is not None:
             if sp_group is not None:
                 raise ValueError("decoding with a cache runs without sequence parallelism")
-            cu_seqlens = torch.tensor([0, n], dtype=torch.int32, device=ids.device)
-            position_ids = torch.arange(cache.length, cache.length + n, device=ids.device)
+            cu_seqlens = torch.tensor([0, n], dtype=torch.int32)
+            position_ids = torch.arange(cache.length, cache.length + n, device=device)
         if cu_seqlens is None:
-            t = input_ids.shape[-1]
-            cu_seqlens = torch.arange(0, n + 1, t, device=ids.device, dtype=torch.int32)
+            cu_seqlens = torch.arange(0, n + 1, input_ids.shape[-1], dtype=torch.int32)
+        host = cu_seqlens.tolist() if cu_seqlens.device.type == "cpu" else None
+        cu_seqlens = to_device(cu_seqlens, device, torch.int32)
         if position_ids is None:
             position_ids = (packed_positions(cu_seqlens, n) if self.cfg.reset_position_ids
-                            else torch.arange(n, device=ids.device) % input_ids.shape[-1])
+                            else torch.arange(n, device=device) % input_ids.shape[-1])
         lo, hi = ulysses.bounds(n, sp_group)
         x = self.embed_tokens(ids[lo:hi])
         cos, sin = self.rotary(position_ids.reshape(-1), cu_seqlens, x.dtype)
-        attend = attention.select(self.attention_backend, x.device, self.cfg.fox is not None)
-        if self.acp is not None and (self.cfg.fox is None or attend is not attention.fox):
+        name = attention.resolve(self.attention_backend, device, self.cfg.fox is not None)
+        if self.acp is not None and name != "fox":
             raise ValueError("ACP prunes FoX attention with the 'fox' attention backend (Triton, CUDA); this "
-                             f"model is {'FoX' if self.cfg.fox else 'not FoX'} and attends with "
-                             f"{attend.__name__!r} on {x.device.type}")
-        ctx = Context(cu_seqlens, n, cos, sin, attend, cache, sp_group, self.acp if cache is None else None)
+                             f"model is {'FoX' if self.cfg.fox else 'not FoX'} and attends with {name!r} on "
+                             f"{device.type}")
+        attend = attention.BACKENDS[name]
+        plan = attention.plan(name, host, device) if host is not None else None
+        if plan is not None:
+            attend = functools.partial(attend, plan=plan)
+        acp_eps = self.acp.eps if self.acp is not None and cache is None else None
+        ctx = Context(cu_seqlens, n, cos, sin, attend, cache, sp_group, acp_eps)
+        tiles = []
         for layer in self.layers:
-            if self.checkpoint_layers and cache is None and torch.is_grad_enabled():
-                x = torch.utils.checkpoint.checkpoint(layer, x, ctx, use_reentrant=False)
-            else:
-                x = layer(x, ctx)
+            x, counts = layer(x, ctx)
+            if counts is not None:
+                tiles.append(counts)
+        if tiles:
+            self.acp.stats.add(*torch.stack(tiles).sum(0))
         if cache is not None:
             cache.length += n
         return self.norm(x)
@@ -298,4 +333,5 @@ class Transformer(nn.Module):
         if labels is None:
             return self.lm_head(hidden)
         lo, hi = ulysses.bounds(labels.numel(), sp_group)
-        return chunked_cross_entropy(hidden, self.lm_head.weight, labels.reshape(-1)[lo:hi], loss_chunk)
+        labels = to_device(labels.reshape(-1)[lo:hi], hidden.device)
+        return chunked_cross_entropy(hidden, self.lm_head.weight, labels, loss_chunk, compiled=self.compiled_loss)

@@ -17,6 +17,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -28,13 +29,17 @@ from ..errors import LongctxError
 from ..model.attention import Acp
 from ..model.config import ModelConfig
 from ..model.loss import IGNORE, shift_labels
+from ..model.transfer import to_device
 from ..model.transformer import Transformer
-from ..model.ulysses import bounds
 from . import checkpoint
+from .compiled import compile_blocks
 from .optim import adamw, lr_at
-from .parallel import Parallel, check_layout, shard, with_sequence_parallel
+from .parallel import Parallel, check_layout, shard, sharded, with_sequence_parallel
 
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12}
+MATMUL_BF16_FLOPS = {"H100": 790e12, "H200": 790e12}
+"""The dense bf16 matmul rate measured on these GPUs (8192^3 products on random data): the
+ceiling model FLOPs can reach, beside the datasheet peak."""
 
 
 class TrainingDiverged(LongctxError):
@@ -45,8 +50,11 @@ class TrainingDiverged(LongctxError):
 class Batch:
     ids: torch.Tensor
     cu_seqlens: torch.Tensor
+    """On the host: the model reads document lengths there without a device sync."""
     labels: torch.Tensor
     samples: list[int]
+    valid: int
+    """Tokens with a label in the whole micro-batch."""
 
 
 @functools.lru_cache(maxsize=4)
@@ -98,7 +106,9 @@ def make_batch(data: PackedDataset, samples: list[int], device: torch.device, mu
         cus.append(torch.tensor([offset]))
         offset += pad
     cu_all = torch.cat([*cus, torch.tensor([offset])]).to(torch.int32)
-    return Batch(torch.cat(ids).to(device), cu_all.to(device), torch.cat(labels).to(device), samples)
+    labels = torch.cat(labels)
+    return Batch(to_device(torch.cat(ids), device), cu_all, to_device(labels, device), samples,
+                 int((labels != IGNORE).sum()))
 
 
 def flop_params(model: torch.nn.Module) -> int:
@@ -115,11 +125,72 @@ def step_flops(cfg: ModelConfig, params: int, batch: Batch) -> float:
     return 6 * params * batch.ids.numel() + attn
 
 
-def _peak_flops(device: torch.device) -> float | None:
+def peak_flops(device: torch.device, table: dict[str, float] = PEAK_BF16_FLOPS) -> float | None:
+    """The device's dense bf16 rate from `table` (datasheet peaks, or MATMUL_BF16_FLOPS); None
+    for a CPU or an unknown GPU."""
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+    return next((v for k, v in table.items() if k in name), None)
+
+
+def autocast(model: torch.nn.Module, device: torch.device):
+    """bf16 autocast for a plain model on a GPU; nothing for an FSDP-sharded one (its policy
+    gathers bf16 weights) or on a CPU (full fp32: exact, bitwise reproducible)."""
+    if device.type != "cuda" or sharded(model):
+        return contextlib.nullcontext()
+    return torch.autocast("cuda", dtype=torch.bfloat16)
+
+
+def step_valid(micro: list[Batch], par: Parallel) -> int:
+    """Valid tokens of a step over all ranks (each sequence-parallel group counted once)."""
+    return int(par.sum(sum(b.valid for b in micro) if par.sp_rank == 0 else 0))
+
+
+class StepResult(NamedTuple):
+    loss: float
+    grad_norm: float
+    """Before clipping."""
+    valid_tokens: int
+
+
+def train_step(model: Transformer, opt: torch.optim.Optimizer, micro: list[Batch], par: Parallel, clip: float,
+               loss_chunk: int = 2048) -> StepResult:
+    """One optimizer step over this rank's micro-batches: backward of each, the loss the exact
+    mean over the step's valid tokens on all ranks, gradients clipped to `clip`, the update.
+    Raises TrainingDiverged, without updating, when the loss or the gradient norm is not finite.
+    What the training stages and every benchmark run."""
+    valid = step_valid(micro, par)
+    total = torch.zeros((), device=par.device)  # summed on the device: no wait between micro-batches
+    for b in micro:
+        with autocast(model, par.device):
+            loss = model(b.ids, b.cu_seqlens, sp_group=par.sp_group, labels=b.labels,
+                         loss_chunk=loss_chunk) / max(valid, 1)
+        loss.backward()
+        total += loss.detach().float()
+    total = par.sum(float(total))
+    if not math.isfinite(total):
+        opt.zero_grad(set_to_none=True)
+        raise TrainingDiverged(f"loss is {total}")
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+    if not math.isfinite(grad_norm):
+        opt.zero_grad(set_to_none=True)
+        raise TrainingDiverged(f"gradient norm is {grad_norm}")
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return StepResult(total, grad_norm, valid)
+
+
+def prepare(model: Transformer, cfg: TrainConfig, par: Parallel) -> Transformer:
+    """The model as a training stage runs it: activation checkpointing, ACP, FSDP2 (mixed
+    precision on GPUs, optional offload), compiled blocks on CUDA."""
+    model.recompute = cfg.activation_checkpointing
+    model.acp = Acp(cfg.acp_eps) if cfg.acp_eps else None
+    shard(model, par, offload=cfg.offload)
+    if cfg.compile and par.device.type == "cuda":
+        compile_blocks(model)
+    return model
 
 
 def train(model: Transformer, data: PackedDataset, cfg: TrainConfig, out: Path, tracker=None,
@@ -132,9 +203,7 @@ def train(model: Transformer, data: PackedDataset, cfg: TrainConfig, out: Path, 
                                  cfg.sequence_parallel, model.cfg.n_heads)
     check_layout(cfg, par.world)
     device = par.device
-    model.checkpoint_layers = cfg.activation_checkpointing
-    model.acp = Acp(cfg.acp_eps) if cfg.acp_eps else None
-    shard(model, par)
+    prepare(model, cfg, par)
     opt = adamw(model, cfg.lr, cfg.betas, cfg.weight_decay)
     ckpt_dir = out / "checkpoints"
     log_path = out / "metrics.jsonl"
@@ -148,7 +217,7 @@ def train(model: Transformer, data: PackedDataset, cfg: TrainConfig, out: Path, 
         _truncate_log(log_path, start)
     per_step = cfg.micro_batch * cfg.grad_accum
     flops_params = flop_params(model)
-    peak = _peak_flops(device)
+    peak = peak_flops(device)
     last = {}
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="train", unit="step",
                disable=not par.main)
@@ -158,29 +227,16 @@ def train(model: Transformer, data: PackedDataset, cfg: TrainConfig, out: Path, 
         costs = [attention_cost(data, i) for i in samples]
         mine = schedule(samples, costs, cfg.micro_batch, par.dp)[par.dp_rank]
         micro = [make_batch(data, ids, device, par.sp) for ids in mine]
-        valid = int(par.sum(sum(_local_valid(b, par) for b in micro)))
         lr = lr_at(step, cfg.steps, cfg.lr, cfg.warmup, cfg.lr_min)
         for g in opt.param_groups:
             g["lr"] = lr
-        total = torch.zeros((), device=device)  # summed on the device: no wait between micro-batches
-        for b in micro:
-            with _autocast(device):
-                loss = model(b.ids, b.cu_seqlens, sp_group=par.sp_group, labels=b.labels,
-                             loss_chunk=cfg.loss_chunk) / max(valid, 1)
-            loss.backward()
-            total += loss.detach().float()
-        total = par.sum(float(total))
-        if not math.isfinite(total):
+        try:
+            total, grad_norm, valid = train_step(model, opt, micro, par, cfg.clip, cfg.loss_chunk)
+        except TrainingDiverged as e:
             docs = [data.provenance(i) for i in samples]
-            raise TrainingDiverged(f"step {step}: loss is {total}; no checkpoint written for it (last good: "
+            raise TrainingDiverged(f"step {step}: {e}; no checkpoint written for it (last good: "
                                    f"{checkpoint.latest(ckpt_dir)}); sequences {samples}, documents "
-                                   f"{json.dumps(docs)[:2000]}")
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
-        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-        if not math.isfinite(grad_norm):
-            raise TrainingDiverged(f"step {step}: gradient norm is {grad_norm}; no checkpoint written for it")
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+                                   f"{json.dumps(docs)[:2000]}") from None
         if device.type == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
@@ -210,25 +266,19 @@ def train(model: Transformer, data: PackedDataset, cfg: TrainConfig, out: Path, 
     return last
 
 
-def _local_valid(b: Batch, par: Parallel) -> int:
-    """Valid labels in this rank's slice of a micro-batch."""
-    lo, hi = bounds(b.labels.numel(), par.sp_group)
-    return int((b.labels[lo:hi] != IGNORE).sum())
-
-
 @torch.no_grad()
 def mean_loss(model: Transformer, data: PackedDataset, sequences: int, loss_chunk: int = 2048,
               par: Parallel | None = None) -> float:
     """Mean next-token loss over the valid tokens of the first `sequences` sequences (spread over
     the data-parallel replicas; the result is the same on every rank)."""
     par = par or Parallel(device=next(model.parameters()).device)
-    total, valid = 0.0, 0
+    total, batches = 0.0, []
     for i in range(par.dp_rank, min(sequences, len(data)), par.dp):
-        b = make_batch(data, [i], par.device, par.sp)
-        with _autocast(par.device):
-            total += float(model(b.ids, b.cu_seqlens, sp_group=par.sp_group, labels=b.labels, loss_chunk=loss_chunk))
-        valid += _local_valid(b, par)
-    return par.sum(total) / max(par.sum(valid), 1)
+        batches.append(make_batch(data, [i], par.device, par.sp))
+        with autocast(model, par.device):
+            total += float(model(batches[-1].ids, batches[-1].cu_seqlens, sp_group=par.sp_group,
+                                 labels=batches[-1].labels, loss_chunk=loss_chunk))
+    return par.sum(total) / max(step_valid(batches, par), 1)
 
 
 def _truncate_log(path: Path, step: int) -> None:
@@ -237,8 +287,3 @@ def _truncate_log(path: Path, step: int) -> None:
         return
     keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
     path.write_text("".join(line + "\n" for line in keep))
-
-
-def _autocast(device: torch.device):
-    """bf16 autocast on GPU; full fp32 on CPU (exact, and bitwise reproducible)."""
-    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()

@@ -6,18 +6,43 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Literal
 
 import torch
 
 from ..config import ModelParams
 from ..errors import DataError
-from ..model.config import ModelConfig, RopeConfig
+from ..model.config import PRESETS, FoxConfig, ModelConfig, RopeConfig
 from ..model.hf import load_hf, load_native, save_hf, save_native
 from ..model.transformer import Transformer
 
 
-def base_model(params: ModelParams, vocab_size: int, seed: int) -> Transformer:
-    cfg = ModelConfig(
+def build(cfg: ModelConfig, attention_backend: str = "auto", seed: int = 0,
+          device: torch.device | str = "cpu") -> Transformer:
+    """A freshly initialised model, made on `device` (an 8B model never sits in host memory;
+    "meta" makes shapes only)."""
+    torch.manual_seed(seed)
+    with torch.device(device):
+        return Transformer(cfg, attention_backend)
+
+
+def preset(shape: str, arch: Literal["llama", "fox"] = "llama", window: int | None = None) -> ModelConfig:
+    """A named shape of `PRESETS` as a Llama-style model (the preset's RoPE, else theta 5e5) or
+    as FoX (Pro) (no RoPE): what the benchmarks train."""
+    if shape not in PRESETS:
+        raise ValueError(f"model shape {shape!r} is unknown (known: {sorted(PRESETS)})")
+    dims = dict(PRESETS[shape])
+    if window is not None:
+        dims["max_position_embeddings"] = window
+    if arch == "fox":
+        dims.update(rope=None, fox=FoxConfig())
+    else:
+        dims.setdefault("rope", RopeConfig(theta=5e5))
+    return ModelConfig(**dims)
+
+
+def base_config(params: ModelParams, vocab_size: int) -> ModelConfig:
+    return ModelConfig(
         vocab_size=vocab_size,
         d_model=params.d_model,
         n_layers=params.n_layers,
@@ -29,8 +54,10 @@ def base_model(params: ModelParams, vocab_size: int, seed: int) -> Transformer:
         rope=None if params.arch == "fox" else RopeConfig(theta=params.rope_theta),
         fox=params.fox if params.arch == "fox" else None,
     )
-    torch.manual_seed(seed)
-    return Transformer(cfg, params.attention_backend)
+
+
+def base_model(params: ModelParams, vocab_size: int, seed: int, device: torch.device | str = "cpu") -> Transformer:
+    return build(base_config(params, vocab_size), params.attention_backend, seed, device)
 
 
 def load_model(path: str | Path, attention_backend: str = "auto") -> Transformer:

@@ -6,6 +6,9 @@ tokens; around attention an all-to-all trades that token split for a head split 
 then holds every token of 1/sp of the heads), and back after it (models/transformer.py).
 FSDP2 shards parameters and optimizer state over all W ranks; gradients are summed, not
 averaged, because every rank's loss is already divided by the step's global valid-token count.
+On GPUs it is also the mixed precision: fp32 master weights, gradients and optimizer state
+(sharded), bf16 weights gathered for compute, fp32 gradient reduction; a single GPU runs the
+same arrangement as a world of one. CPUs train in fp32 throughout (exact and reproducible).
 """
 
 from __future__ import annotations
@@ -111,35 +114,61 @@ def with_sequence_parallel(par: Parallel, sp: int, n_heads: int) -> Parallel:
     return Parallel(rank=par.rank, world=par.world, sp=sp, sp_group=group, device=par.device)
 
 
-def shard(model: Transformer, par: Parallel) -> Transformer:
+def _world_of_one(device: torch.device) -> None:
+    """A process group of this process alone (FSDP2 needs one), unless one exists."""
+    if not dist.is_initialized():
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1,
+                                device_id=torch.device("cuda", index))
+
+
+def shard(model: Transformer, par: Parallel, offload: bool = False) -> Transformer:
     """FSDP2 over all ranks: one unit per transformer block, the rest (embeddings, final norm,
-    head) in the root unit. A no-op for a single process."""
-    if not par.distributed:
+    head) in the root unit; on GPUs with bf16 compute weights over fp32 master weights, also for
+    a single GPU. `offload`: parameters, gradients and optimizer state live in host memory
+    between uses (the optimizer steps on the CPU). A no-op for a single CPU process."""
+    gpu = par.device.type == "cuda"
+    if not (par.distributed or gpu):
+        if offload:
+            raise ConfigError("offload: CPU offload moves GPU training state to host memory; this run has no GPU")
         return model
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+    if not par.distributed:
+        _world_of_one(par.device)
     mesh = init_device_mesh(par.device.type, (par.world,))
+    options = {"mesh": mesh, "offload_policy": CPUOffloadPolicy() if offload else OffloadPolicy(),
+               # a world of one gathers nothing: keep the bf16 weights from forward to backward
+               "reshard_after_forward": par.distributed}
+    if gpu:
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in model.layers:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, **options)
+    fully_shard(model, **options)
     for unit in (*model.layers, model):
         unit.set_gradient_divide_factor(1.0)  # sum: each rank's loss is pre-divided by the global count
         unit.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no pre-multiplied sum)
     return model
 
 
+def sharded(model: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
 def unshard(model: Transformer, par: Parallel) -> Transformer:
-    """The trained weights as a plain (unsharded) model on every rank, for saving or the next
-    curriculum stage (a collective when sharded; the model passed in is spent)."""
-    if not par.distributed:
+    """The trained weights as a plain (unsharded, fp32) model on every rank, for saving or the
+    next curriculum stage (a collective when sharded; the model passed in is spent)."""
+    if not sharded(model):
         return model
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     whole = Transformer(model.cfg, model.attention_backend).to(par.device)
     whole.load_state_dict(state)
-    whole.checkpoint_layers = model.checkpoint_layers
+    whole.recompute = model.recompute
     return whole
 
 

@@ -1,0 +1,56 @@
+"""Activation checkpointing of a transformer block, by policy:
+
+  none        keep every activation the backward needs
+  full        keep the block's input only and run its forward again in the backward
+  selective   keep the outputs of matmuls and attention, recompute the elementwise work between
+              them (norms, activations, gates, RoPE, casts): most of full's memory saving on
+              elementwise tensors, little of its compute
+
+Selective recomputation works per operator (torch.utils.checkpoint's policy hooks), also inside
+torch.compile'd blocks.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import get_args
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from .config import Recompute
+
+MODES: tuple[str, ...] = get_args(Recompute)
+
+_ATEN_SAVED = ("mm", "addmm", "bmm", "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention",
+               "_scaled_dot_product_efficient_attention", "_flash_attention_forward", "_efficient_attention_forward")
+_OWN_SAVED = (("longctx", "doc_attention"), ("longctx", "fox_forward"), ("torch_attn", "_varlen_attn"))
+
+
+def _saved_ops() -> set:
+    """The operators whose outputs selective recomputation keeps (custom ops once registered)."""
+    ops = {getattr(torch.ops.aten, name).default for name in _ATEN_SAVED}
+    for namespace, name in _OWN_SAVED:
+        try:
+            ops.add(getattr(getattr(torch.ops, namespace), name).default)
+        except AttributeError:  # not registered (yet): its module was not imported
+            pass
+    return ops
+
+
+def _policy(saved: set, ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective():
+    return create_selective_checkpoint_contexts(functools.partial(_policy, _saved_ops()))
+
+
+def recomputed(fn, mode: Recompute, *args):
+    """fn(*args) under the recomputation policy `mode`."""
+    if mode == "none":
+        return fn(*args)
+    if mode not in MODES:
+        raise ValueError(f"activation checkpointing {mode!r} is unknown (known: {MODES})")
+    extra = {"context_fn": _selective} if mode == "selective" else {}
+    return checkpoint(fn, *args, use_reentrant=False, **extra)

@@ -1,0 +1,164 @@
+"""Measuring training: timed optimizer steps of a model prepared as the training stages prepare
+it, model FLOP utilisation against the datasheet peak and the measured matmul rate, where a
+step's GPU time goes (torch.profiler, by kernel kind), and benchmark results as JSON named by
+benchmark, device and date. What bench/ builds on."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .config import TrainConfig
+from .model.attention import resolve
+from .model.config import ModelConfig
+from .model.loss import shift_labels
+from .model.transfer import to_device
+from .train.compiled import graphs_compiled
+from .train.loop import MATMUL_BF16_FLOPS, Batch, flop_params, peak_flops, prepare, step_flops, train_step
+from .train.models import build
+from .train.optim import adamw
+from .train.parallel import Parallel
+
+ACP_EPS = math.exp(-10)
+
+
+def one_document(tokens: int, vocab: int, device: torch.device, seed: int = 0) -> Batch:
+    ids = torch.randint(0, vocab, (tokens,), generator=torch.Generator().manual_seed(seed))
+    cu = torch.tensor([0, tokens], dtype=torch.int32)
+    labels = shift_labels(ids, cu)
+    return Batch(to_device(ids, device), cu, to_device(labels, device), [seed], tokens - 1)
+
+
+@dataclass
+class Run:
+    model: torch.nn.Module
+    opt: torch.optim.Optimizer
+    par: Parallel
+    cfg: TrainConfig
+
+    def step(self, micro: list[Batch]) -> tuple[float, float]:
+        """One timed optimizer step: (seconds, the device drained before and after; loss)."""
+        if self.par.device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = train_step(self.model, self.opt, micro, self.par, self.cfg.clip, self.cfg.loss_chunk).loss
+        if self.par.device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0, loss
+
+
+def prepared(cfg: ModelConfig, par: Parallel, *, compile: bool, recompute: str = "none", acp: bool = False,
+             offload: bool = False, backend: str = "auto") -> Run:
+    """A fresh model of `cfg` made on the device and prepared by the training loop's own
+    `prepare` (FSDP2 mixed precision, compiled blocks, checkpointing, ACP)."""
+    torch._dynamo.reset()  # graphs of another shape must not turn this one's sizes dynamic
+    train_cfg = TrainConfig(steps=1, lr=1e-4, compile=compile, activation_checkpointing=recompute,
+                            acp_eps=ACP_EPS if acp else None, offload=offload)
+    model = build(cfg, backend, device=par.device)
+    prepare(model, train_cfg, par)
+    return Run(model, adamw(model, train_cfg.lr, train_cfg.betas, train_cfg.weight_decay), par, train_cfg)
+
+
+def attention_name(cfg: ModelConfig, backend: str, device: torch.device) -> str:
+    return resolve(backend, device, cfg.fox is not None)
+
+
+def measure(run: Run, batches, steps: int, warmup: int = 2) -> dict:
+    """Mean step time, tokens/s per GPU and model FLOP utilisation over `steps` steps after
+    `warmup` (the first step's time, compilation included, reported apart), and every step's
+    loss. `batches(i)` gives this rank's micro-batches of step i."""
+    from torch._dynamo.utils import counters
+
+    graphs0, breaks0 = graphs_compiled(), dict(counters["graph_break"])
+    params = flop_params(run.model)
+    times, losses, flops, tokens = [], [], 0.0, 0.0
+    for i in range(warmup + steps):
+        micro = batches(i)
+        sec, loss = run.step(micro)
+        losses.append(loss)
+        if i == 0:
+            first = sec
+        if i >= warmup:
+            times.append(sec)
+            flops += run.par.sum(sum(step_flops(run.model.cfg, params, b) for b in micro)) / run.par.sp
+            tokens += run.par.sum(sum(b.ids.numel() for b in micro)) / run.par.sp
+    sec = sum(times) / len(times)
+    out = {"step_s": round(sec, 4), "first_step_s": round(first, 2), "graphs_compiled": graphs_compiled() - graphs0,
+           "tokens_per_s_per_gpu": round(tokens / sum(times) / run.par.world, 1), "losses": losses,
+           "graph_breaks": {k[:200]: v - breaks0.get(k, 0) for k, v in counters["graph_break"].items()
+                            if v > breaks0.get(k, 0)}}
+    for key, table in (("mfu", None), ("mfu_matmul_ceiling", MATMUL_BF16_FLOPS)):
+        peak = peak_flops(run.par.device) if table is None else peak_flops(run.par.device, table)
+        if peak:
+            out[key] = round(flops / sum(times) / peak / run.par.world, 4)
+    if run.par.device.type == "cuda":
+        out["peak_memory_gib"] = round(run.par.sum(torch.cuda.max_memory_allocated(run.par.device))
+                                       / run.par.world / 2**30, 2)
+    if run.model.acp is not None:
+        out["acp_pruned_fraction"] = round(run.par.sum(run.model.acp.stats.pruned_fraction() or 0.0)
+                                           / run.par.world, 4)
+    return out
+
+
+KINDS = [("attention", ("flash", "fmha", "attn", "cudnn", "_fwd_kernel", "_dq_kernel", "_dkdv_kernel",
+                        "_bounds_kernel")),
+         ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "mm_", "triton_tem")),
+         ("optimizer", ("multi_tensor", "adam")),
+         ("collective", ("nccl",)),
+         ("fused elementwise (compiled)", ("triton_",)),
+         ("copy/cast", ("copy", "cat", "memcpy", "memset")),
+         ("elementwise/reduce (eager)", ("elementwise", "reduce", "softmax", "index", "scatter", "gather", "scan"))]
+
+
+def kind_of(kernel: str) -> str:
+    low = kernel.lower()
+    return next((kind for kind, keys in KINDS if any(k.lower() in low for k in keys)), "other")
+
+
+def profile(run: Run, micro: list[Batch]) -> dict:
+    """One step under torch.profiler: GPU kernel ms by kind, their sum against the step's wall
+    ms (the difference is the GPU waiting on the host), the costliest kernels, and what made
+    the host wait: device syncs, by the Python line that asked."""
+    import warnings
+    from collections import Counter
+
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught, \
+                torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            warnings.simplefilter("always")
+            wall, _ = run.step(micro)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
+    kinds: dict[str, float] = {}
+    kernels = []
+    for e in prof.key_averages():
+        ms = getattr(e, "self_device_time_total", 0) / 1e3
+        if ms and str(e.device_type).endswith("CUDA") and "#" not in e.key:  # not a user annotation
+            kinds[kind_of(e.key)] = kinds.get(kind_of(e.key), 0.0) + ms
+            kernels.append((round(ms, 2), e.count, e.key[:100]))
+    return {"wall_ms": round(wall * 1e3, 1), "kernel_ms": round(sum(kinds.values()), 1),
+            "by_kind_ms": {k: round(v, 1) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+            "top_kernels": sorted(kernels, reverse=True)[:25], "syncs": dict(syncs.most_common(10))}
+
+
+def write_result(out: Path, benchmark: str, fields: dict, device: str | None = None, quiet: bool = False) -> Path:
+    """`device` defaults to the current CUDA device's name."""
+    date = datetime.date.today().isoformat()
+    device = device or torch.cuda.get_device_name()
+    result = {"benchmark": benchmark, "date": date, "device": device, "torch": torch.__version__, **fields}
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{benchmark}-{device.replace(' ', '-').lower()}-{date}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    if not quiet:
+        print(f"wrote {path}")
+    return path
