@@ -48,8 +48,12 @@ def curve(arch: str, compile: bool, recompute: str = "none", steps: int = 20, to
 
 @pytest.mark.parametrize("arch", ["llama", "fox"])
 def test_compiled_training_follows_eager(arch):
+    from torch._dynamo.utils import counters
+
     eager, _, _ = curve(arch, compile=False)
+    breaks = sum(counters["graph_break"].values())
     compiled, _, run = curve(arch, compile=True)
+    assert sum(counters["graph_break"].values()) == breaks  # whole blocks in one graph each
     assert compiled[-1] < compiled[0] - 1.0  # it learns
     for step, (a, b) in enumerate(zip(compiled, eager, strict=True)):
         assert abs(a - b) <= 0.02 * abs(b), (step, a, b)

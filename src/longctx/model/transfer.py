@@ -8,6 +8,6 @@ import torch
 
 
 def to_device(t: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
-    if device.type == "cuda" and t.device.type == "cpu":
+    if device.type == "cuda" and t.device.type == "cpu" and not torch.compiler.is_compiling():
         return t.to(dtype=dtype).pin_memory().to(device, non_blocking=True)
     return t.to(device, dtype)

@@ -277,11 +277,11 @@ class Transformer(nn.Module):
         cos, sin = cos_sin(per_token, tables[0][1], position_ids, dtype)
         return cos[None], sin[None]
 
-    def hidden(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+    def hidden(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | list[int] | None = None,
                position_ids: torch.Tensor | None = None, cache=None, sp_group=None) -> torch.Tensor:
         """Final hidden states [N, d_model] for packed ids [N] (or a batch [B, T], flattened).
-        `cu_seqlens` may be on the host: backends that size kernels or route documents by length
-        then read it there, with no device sync. With a `decode.Cache`, ids continue the single
+        `cu_seqlens` may be on the host (a list, or a CPU tensor where no FSDP root moves it):
+        backends that size kernels or route documents by length then read it there, with no sync. With a `decode.Cache`, ids continue the single
         document the cache holds. With a sequence-parallel group, every rank passes the whole
         micro-batch and gets the hidden states of its own slice, `ulysses.bounds(N, sp_group)`."""
         ids = input_ids.reshape(-1)
@@ -293,6 +293,8 @@ class Transformer(nn.Module):
             position_ids = torch.arange(cache.length, cache.length + n, device=device)
         if cu_seqlens is None:
             cu_seqlens = torch.arange(0, n + 1, input_ids.shape[-1], dtype=torch.int32)
+        if isinstance(cu_seqlens, (list, tuple)):
+            cu_seqlens = torch.tensor(cu_seqlens, dtype=torch.int32)
         host = cu_seqlens.tolist() if cu_seqlens.device.type == "cpu" else None
         cu_seqlens = to_device(cu_seqlens, device, torch.int32)
         if position_ids is None:
@@ -323,7 +325,7 @@ class Transformer(nn.Module):
             cache.length += n
         return self.norm(x)
 
-    def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+    def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | list[int] | None = None,
                 position_ids: torch.Tensor | None = None, cache=None, sp_group=None,
                 labels: torch.Tensor | None = None, loss_chunk: int = 2048) -> torch.Tensor:
         """Logits [N, vocab]; or, given labels [N] (IGNORE where no loss), the summed next-token

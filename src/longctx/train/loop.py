@@ -50,7 +50,8 @@ class TrainingDiverged(LongctxError):
 class Batch:
     ids: torch.Tensor
     cu_seqlens: torch.Tensor
-    """On the host: the model reads document lengths there without a device sync."""
+    """On the host: the model reads document lengths there without a device sync (passed as a
+    list, which FSDP's root hook does not move to the GPU as it does tensors)."""
     labels: torch.Tensor
     samples: list[int]
     valid: int
@@ -164,7 +165,7 @@ def train_step(model: Transformer, opt: torch.optim.Optimizer, micro: list[Batch
     total = torch.zeros((), device=par.device)  # summed on the device: no wait between micro-batches
     for b in micro:
         with autocast(model, par.device):
-            loss = model(b.ids, b.cu_seqlens, sp_group=par.sp_group, labels=b.labels,
+            loss = model(b.ids, b.cu_seqlens.tolist(), sp_group=par.sp_group, labels=b.labels,
                          loss_chunk=loss_chunk) / max(valid, 1)
         loss.backward()
         total += loss.detach().float()
@@ -276,7 +277,7 @@ def mean_loss(model: Transformer, data: PackedDataset, sequences: int, loss_chun
     for i in range(par.dp_rank, min(sequences, len(data)), par.dp):
         batches.append(make_batch(data, [i], par.device, par.sp))
         with autocast(model, par.device):
-            total += float(model(batches[-1].ids, batches[-1].cu_seqlens, sp_group=par.sp_group,
+            total += float(model(batches[-1].ids, batches[-1].cu_seqlens.tolist(), sp_group=par.sp_group,
                                  labels=batches[-1].labels, loss_chunk=loss_chunk))
     return par.sum(total) / max(step_valid(batches, par), 1)
 
