@@ -41,7 +41,8 @@ def batch(step: int, tokens: int = 4096) -> list[Batch]:
 
 def curve(arch: str, compile: bool, recompute: str = "none", steps: int = 20, tokens: int = 4096):
     torch.cuda.reset_peak_memory_stats()
-    run = prepared(config(arch), Parallel(device=DEV), compile=compile, recompute=recompute, acp=arch == "fox")
+    run = prepared(config(arch), Parallel(device=DEV), compile=compile, recompute=recompute, acp=arch == "fox",
+                   lr=2e-3)
     losses = [run.step(batch(i, tokens))[1] for i in range(steps)]
     return losses, torch.cuda.max_memory_allocated() / 2**30, run
 
@@ -74,7 +75,7 @@ def test_single_gpu_checkpoint_resumes_the_run(tmp_path):
     _, _, run = curve("llama", compile=True, steps=3)
     checkpoint.save(tmp_path, 3, run.model, run.opt, {})
     straight = [run.step(batch(i))[1] for i in (3, 4)]
-    again = prepared(config("llama"), Parallel(device=DEV), compile=True, acp=False)
+    again = prepared(config("llama"), Parallel(device=DEV), compile=True, acp=False, lr=2e-3)
     assert checkpoint.load(checkpoint.latest(tmp_path), again.model, again.opt)["step"] == 3
     resumed = [again.step(batch(i))[1] for i in (3, 4)]
     assert resumed == pytest.approx(straight, rel=1e-3)

@@ -54,11 +54,11 @@ class Run:
 
 
 def prepared(cfg: ModelConfig, par: Parallel, *, compile: bool, recompute: str = "none", acp: bool = False,
-             offload: bool = False, backend: str = "auto") -> Run:
+             offload: bool = False, backend: str = "auto", lr: float = 1e-4) -> Run:
     """A fresh model of `cfg` made on the device and prepared by the training loop's own
     `prepare` (FSDP2 mixed precision, compiled blocks, checkpointing, ACP)."""
     torch._dynamo.reset()  # graphs of another shape must not turn this one's sizes dynamic
-    train_cfg = TrainConfig(steps=1, lr=1e-4, compile=compile, activation_checkpointing=recompute,
+    train_cfg = TrainConfig(steps=1, lr=lr, compile=compile, activation_checkpointing=recompute,
                             acp_eps=ACP_EPS if acp else None, offload=offload)
     model = build(cfg, backend, device=par.device)
     prepare(model, train_cfg, par)
@@ -91,7 +91,7 @@ def measure(run: Run, batches, steps: int, warmup: int = 2) -> dict:
     sec = sum(times) / len(times)
     out = {"step_s": round(sec, 4), "first_step_s": round(first, 2), "graphs_compiled": graphs_compiled() - graphs0,
            "tokens_per_s_per_gpu": round(tokens / sum(times) / run.par.world, 1), "losses": losses,
-           "graph_breaks": {k[:200]: v - breaks0.get(k, 0) for k, v in counters["graph_break"].items()
+           "graph_breaks": {k[:600]: v - breaks0.get(k, 0) for k, v in counters["graph_break"].items()
                             if v > breaks0.get(k, 0)}}
     for key, table in (("mfu", None), ("mfu_matmul_ceiling", MATMUL_BF16_FLOPS)):
         peak = peak_flops(run.par.device) if table is None else peak_flops(run.par.device, table)

@@ -21,6 +21,7 @@ import math
 import torch
 
 from .config import RopeConfig
+from .transfer import to_device
 
 def _base_exponents(dim: int) -> torch.Tensor:
     return torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
@@ -116,7 +117,7 @@ def cos_sin(inv_freq: torch.Tensor, attention_factor: float, position_ids: torch
             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin [..., T, head_dim] for integer positions, computed in fp32. `inv_freq` is
     [head_dim/2], or [T, head_dim/2] for frequencies that differ per token."""
-    angles = position_ids.float()[..., None] * inv_freq.to(position_ids.device)
+    angles = position_ids.float()[..., None] * to_device(inv_freq, position_ids.device)
     emb = torch.cat((angles, angles), dim=-1)
     return (emb.cos() * attention_factor).to(dtype), (emb.sin() * attention_factor).to(dtype)
 

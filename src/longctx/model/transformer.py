@@ -68,30 +68,34 @@ class Attention(nn.Module):
         h, hk, d = cfg.n_heads, cfg.kv_heads, cfg.dim_head
         self.h, self.hk, self.d = h, hk, d
         self.index = index
-        self.fox = cfg.fox
+        # the FoX switches as plain bools: compiled code never reads the config object
+        fox = cfg.fox
+        self.forget_gate = fox is not None
+        self.kv_shift, self.qk_norm, self.output_gate, self.output_norm = (
+            bool(fox and getattr(fox, name)) for name in ("kv_shift", "qk_norm", "output_gate", "output_norm"))
         self.q_proj = nn.Linear(cfg.d_model, h * d, bias=cfg.attention_bias)
-        if self.fox and self.fox.kv_shift:
+        if self.kv_shift:
             self.k_shift = ShiftLinear(cfg.d_model, hk, d)
             self.v_shift = ShiftLinear(cfg.d_model, hk, d)
         else:
             self.k_proj = nn.Linear(cfg.d_model, hk * d, bias=cfg.attention_bias)
             self.v_proj = nn.Linear(cfg.d_model, hk * d, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(h * d, cfg.d_model, bias=False)
-        if self.fox:
+        if self.forget_gate:
             self.fgate = nn.Linear(cfg.d_model, h, bias=True)
-            if self.fox.qk_norm:
-                self.q_norm = RMSNorm(d, cfg.norm_eps)
-                self.k_norm = RMSNorm(d, cfg.norm_eps)
-            if self.fox.output_gate:
-                self.ogate = nn.Linear(cfg.d_model, h * d, bias=False)
-            if self.fox.output_norm:
-                self.o_norm = RMSNorm(d, cfg.norm_eps)
+        if self.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.norm_eps)
+            self.k_norm = RMSNorm(d, cfg.norm_eps)
+        if self.output_gate:
+            self.ogate = nn.Linear(cfg.d_model, h * d, bias=False)
+        if self.output_norm:
+            self.o_norm = RMSNorm(d, cfg.norm_eps)
 
     def forward(self, x: torch.Tensor, ctx: Context) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(output, ACP's [kept, total] tiles or None)."""
         n = x.shape[0]
         cache = ctx.cache[self.index] if ctx.cache is not None else None
-        shift = self.fox is not None and self.fox.kv_shift
+        shift = self.kv_shift
         q = self.q_proj(x).view(n, self.h, self.d)
         if shift:
             (k, k_gate), (v, v_gate) = self.k_shift.project(x), self.v_shift.project(x)
@@ -99,7 +103,7 @@ class Attention(nn.Module):
             k = self.k_proj(x).view(n, self.hk, self.d)
             v = self.v_proj(x).view(n, self.hk, self.d)
             k_gate = v_gate = None
-        log_f = F.logsigmoid(self.fgate(x).float()) if self.fox else None
+        log_f = F.logsigmoid(self.fgate(x).float()) if self.forget_gate else None
         if ctx.sp_group is not None:
             # from here to the output: every token of the document(s), 1/sp of the heads
             if self.hk % dist.get_world_size(ctx.sp_group):
@@ -111,7 +115,7 @@ class Attention(nn.Module):
             v, v_last = self.v_shift.mix(v, v_gate, ctx.doc_start, cache.v_before if cache else None)
             if cache:
                 cache.k_before, cache.v_before = k_last, v_last
-        if self.fox and self.fox.qk_norm:
+        if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if ctx.cos is not None:
             q = rotate(q.transpose(0, 1), ctx.cos, ctx.sin).transpose(0, 1)
@@ -126,10 +130,10 @@ class Attention(nn.Module):
                                             logit_bound=self.logit_bound())
         else:
             o = ctx.attend(q, k, v, ctx.cu_seqlens, log_f)
-        if self.fox and self.fox.output_norm:
+        if self.output_norm:
             o = self.o_norm(o)
         o = ulysses.heads_to_seq(o, ctx.sp_group).reshape(n, self.h * self.d)
-        if self.fox and self.fox.output_gate:
+        if self.output_gate:
             o = o * torch.sigmoid(self.ogate(x))
         return self.o_proj(o), tiles
 
@@ -137,7 +141,7 @@ class Attention(nn.Module):
     def logit_bound(self) -> torch.Tensor | None:
         """U for ACP: with QK-norm |q.k| / sqrt(d) <= max|g_q| max|g_k| sqrt(d); without it None
         (the kernel bounds it by the largest norms of q and k)."""
-        if not (self.fox and self.fox.qk_norm):
+        if not self.qk_norm:
             return None
         gains = self.q_norm.weight.detach().abs().max() * self.k_norm.weight.detach().abs().max()
         return gains.float() * self.d**0.5
@@ -196,8 +200,8 @@ class Context:
         self.attend = attend
         self.cache = cache
         self.doc_start = torch.zeros(n, dtype=torch.bool, device=cu_seqlens.device)
-        if cache is None or cache.length == 0:
-            self.doc_start[cu_seqlens[:-1].long()] = True
+        if cache is None or cache.length == 0:  # index_fill: a host scalar `True` would be a copy and a sync
+            self.doc_start.index_fill_(0, cu_seqlens[:-1].long(), True)
 
 
 def packed_positions(cu_seqlens: torch.Tensor, n: int) -> torch.Tensor:
