@@ -12,9 +12,16 @@ from ..model.transformer import Transformer
 
 
 def compile_blocks(model: Transformer) -> Transformer:
-    """Compile in place (CUDA; on a CPU the model stays eager, bitwise reproducible)."""
+    """Compile in place (CUDA; on a CPU the model stays eager, bitwise reproducible), after
+    `model.recompute` is set. Full recomputation checkpoints the compiled block body from outside:
+    inside the graph the partitioner kept more than the block's input (8B, SP 2, 131K tokens:
+    116.8 GiB per GPU against 82.3 eager). Selective recomputation must see each operator, so the
+    checkpoint goes inside the graph with it."""
     for block in model.layers:
-        block.forward = torch.compile(block.forward)
+        if block.recompute == "selective":
+            block.forward = torch.compile(block.forward)
+        else:
+            block._residual = torch.compile(block._residual)
     model.compiled_loss = True
     return model
 
