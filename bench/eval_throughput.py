@@ -19,18 +19,16 @@ import torch
 from longctx.data.tokenizer import TextTokenizer
 from longctx.perf import write_result
 from longctx.eval import suite
-from longctx.model.config import PRESETS, FoxConfig, ModelConfig, RopeConfig
 from longctx.model.hf import save_hf
 from longctx.model.transformer import Transformer
+from longctx.train.models import build, preset
 
 TASKS = ["niah_single_noise", "json_kv", "variable_tracking", "passkey"]
 
 
-def build(fox: bool, vocab: int) -> Transformer:
-    shape = dict(PRESETS["fox-125m"], vocab_size=vocab, max_position_embeddings=32768)
-    cfg = ModelConfig(**shape, rope=None, fox=FoxConfig()) if fox else ModelConfig(**shape, rope=RopeConfig(theta=5e5))
-    torch.manual_seed(0)
-    return Transformer(cfg).cuda().eval()
+def model(fox: bool, vocab: int) -> Transformer:
+    cfg = preset("fox-125m", "fox" if fox else "llama", 32768).model_copy(update={"vocab_size": vocab})
+    return build(cfg, device="cuda").eval()
 
 
 def timed(answer, enc: suite.Encoder, prompts) -> tuple[dict, list[list[int]]]:
@@ -60,7 +58,7 @@ def main() -> None:
     rows = []
     for length in (4096, 16384):
         prompts = suite.build_prompts(enc, TASKS, [length], args.per_task, [0.5], 0, tasks_text())
-        llama = build(False, vocab)
+        llama = model(False, vocab)
         with tempfile.TemporaryDirectory() as d:
             save_hf(llama, Path(d) / "hf", args.tokenizer)
             ours, ours_out = timed(suite.our_answerer(llama, enc.eos()), enc, prompts)
@@ -70,7 +68,7 @@ def main() -> None:
                      "speedup_vs_transformers": round(ours["prompts_per_s"] / peer["prompts_per_s"], 3),
                      "first_8_tokens_agree": agree})
         del llama
-        fox = build(True, vocab)
+        fox = model(True, vocab)
         fox_row, _ = timed(suite.our_answerer(fox, enc.eos()), enc, prompts)
         rows.append({"length": length, "model": "FoX (Pro)", "ours": fox_row})
         del fox

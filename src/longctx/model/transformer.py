@@ -219,8 +219,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        if cfg.tie_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        self.tie_weights()
         if attention_backend != "auto" and attention_backend not in attention.BACKENDS:
             raise ValueError(f"attention backend {attention_backend!r} is unknown (known: "
                              f"{sorted(attention.BACKENDS)} or 'auto')")
@@ -230,6 +229,12 @@ class Transformer(nn.Module):
         self.compiled_loss = False
         """The loss's per-chunk math through torch.compile (set with the compiled blocks, CUDA)."""
         self.reset_parameters()
+
+    def tie_weights(self) -> None:
+        """The head shares the embedding matrix (tie_embeddings); again after a load that assigns
+        tensors (load_state_dict(assign=True) gives each name its own parameter)."""
+        if self.cfg.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
 
     @property
     def recompute(self) -> Recompute:

@@ -79,9 +79,10 @@ def with_positions(model: Transformer, rope: RopeConfig | None, window: int) -> 
     """The same weights with another RoPE setting and context window."""
     cfg = model.cfg.model_copy(update={"rope": rope if model.cfg.rope is not None else None,
                                        "max_position_embeddings": window})
-    new = Transformer(cfg, model.attention_backend)
-    new.load_state_dict(model.state_dict())
-    return new.to(next(model.parameters()).device)
+    new = build(cfg, model.attention_backend, device="meta")  # shapes only: the weights are taken, not copied
+    new.load_state_dict(model.state_dict(), assign=True)
+    new.tie_weights()
+    return new
 
 
 def longrope_factors(path: str | Path, model: Transformer) -> RopeConfig:

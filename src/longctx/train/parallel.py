@@ -166,8 +166,10 @@ def unshard(model: Transformer, par: Parallel) -> Transformer:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    whole = Transformer(model.cfg, model.attention_backend).to(par.device)
-    whole.load_state_dict(state)
+    with torch.device("meta"):  # shapes only: the gathered tensors become its weights, no second copy
+        whole = Transformer(model.cfg, model.attention_backend)
+    whole.load_state_dict(state, assign=True)
+    whole.tie_weights()
     whole.recompute = model.recompute
     return whole
 

@@ -1,0 +1,135 @@
+"""What makes training fast, checked on a CPU: every preset shape builds through every builder
+the benchmarks and the stages use (meta device: no memory), the recomputation policies and
+compiled blocks compute exactly the eager model's loss and gradients (one graph shared by all
+blocks, one recompile when document boundaries first change, no graph breaks), the loss keeps
+its value without gradients, and the new training keys are validated."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from longctx import config
+from longctx.config import ModelParams
+from longctx.errors import ConfigError
+from longctx.model.attention import Acp
+from longctx.model.config import PRESETS, FoxConfig, ModelConfig, RopeConfig
+from longctx.model.loss import chunked_cross_entropy, shift_labels
+from longctx.train.compiled import compile_blocks, graphs_compiled
+from longctx.train.models import base_model, build, preset, with_positions
+from longctx.model.transformer import Transformer
+from longctx.train.parallel import Parallel, shard
+
+PARAMS = {"llama3-8b": 8.03e9, "fox-760m": 0.83e9, "fox-125m": 0.16e9}  # with embeddings; FoX adds its gates
+
+
+@pytest.mark.parametrize("shape", sorted(PRESETS))
+@pytest.mark.parametrize("arch", ["llama", "fox"])
+def test_every_preset_builds_through_every_builder(shape, arch):
+    cfg = preset(shape, arch, 65536)
+    assert (cfg.rope is None) == (arch == "fox") and cfg.max_position_embeddings == 65536
+    model = build(cfg, device="meta")
+    n = sum(p.numel() for p in model.parameters())
+    if shape in PARAMS and arch == "llama":
+        assert n == pytest.approx(PARAMS[shape], rel=0.02)
+    longer = with_positions(model, RopeConfig(theta=8e6), 131072)  # pretrain's base change
+    assert longer.cfg.max_position_embeddings == 131072 and sum(p.numel() for p in longer.parameters()) == n
+    dims = {k: v for k, v in PRESETS[shape].items() if k not in ("vocab_size", "rope")}
+    params = ModelParams(arch=arch, max_position_embeddings=dims.pop("max_position_embeddings", 4096), **dims)
+    staged = base_model(params, PRESETS[shape]["vocab_size"], seed=0, device="meta")  # the base stage's builder
+    assert sum(p.numel() for p in staged.parameters()) == n
+
+
+def test_a_preset_name_that_does_not_exist_is_refused():
+    with pytest.raises(ValueError, match="model shape 'llama-9b' is unknown"):
+        preset("llama-9b")
+
+
+def test_tied_head_stays_tied_when_positions_change():
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=50, d_model=16, n_layers=1, n_heads=2, ffn_dim=32, tie_embeddings=True))
+    new = with_positions(model, RopeConfig(theta=1e5), 8192)
+    assert new.lm_head.weight is new.embed_tokens.weight
+    assert len(list(new.parameters())) == len(list(model.parameters()))
+
+
+def small(arch: str) -> ModelConfig:
+    return ModelConfig(vocab_size=97, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=64,
+                       rope=None if arch == "fox" else RopeConfig(), fox=FoxConfig() if arch == "fox" else None)
+
+
+def twins(arch: str):
+    """The same weights twice: the 'fox' kernel (Triton's interpreter here) with ACP for FoX, the
+    pure-PyTorch reference for Llama (no host reads: compiles whole)."""
+    backend = "fox" if arch == "fox" else "reference"
+    a, b = build(small(arch), backend), build(small(arch), backend)
+    if arch == "fox":
+        a.acp, b.acp = Acp(), Acp()
+    return a, b
+
+
+def step(model, cuts: list[int], seed: int):
+    ids = torch.randint(0, 97, (cuts[-1],), generator=torch.Generator().manual_seed(seed))
+    loss = model(ids, cuts, labels=shift_labels(ids, torch.tensor(cuts)))
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    return loss.detach(), grads
+
+
+LAYOUTS = ([0, 50, 128], [0, 30, 90, 128], [0, 10, 20, 100, 128])
+
+
+@pytest.mark.parametrize("arch", ["llama", "fox"])
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_recomputation_gives_the_same_loss_and_gradients(arch, mode):
+    plain, recomputed = twins(arch)
+    recomputed.recompute = mode
+    for i, cuts in enumerate(LAYOUTS[:2]):
+        (la, ga), (lb, gb) = step(plain, cuts, i), step(recomputed, cuts, i)
+        assert torch.equal(la, lb)
+        for x, y in zip(ga, gb, strict=True):
+            torch.testing.assert_close(x, y, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("arch,mode", [("llama", "none"), ("llama", "full"), ("fox", "selective")])
+def test_compiled_blocks_match_eager_and_stop_recompiling(arch, mode):
+    eager, compiled = twins(arch)
+    eager.recompute = compiled.recompute = mode
+    torch._dynamo.reset()
+    compile_blocks(compiled, backend="aot_eager", fullgraph=True)  # fullgraph: a graph break is an error
+    start, counts = graphs_compiled(), []
+    for i, cuts in enumerate(LAYOUTS + ([0, 128], [0, 5, 60, 61, 128], [0, 127, 128], [0, 64, 128], [0, 128])):
+        (la, ga), (lb, gb) = step(eager, cuts, i), step(compiled, cuts, i)
+        counts.append(graphs_compiled() - start)
+        torch.testing.assert_close(la, lb, rtol=1e-6, atol=0)  # traced decompositions may round differently
+        for x, y in zip(ga, gb, strict=True):
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+    # the three blocks share their graphs; the boundaries' sizes turn dynamic at their first change
+    # and a one-document layout compiles once more (0/1 sizes are specialised), then nothing does
+    assert counts[-1] == counts[3] <= 4, counts
+    if arch == "fox":
+        assert eager.acp.stats.pruned_fraction() == compiled.acp.stats.pruned_fraction()
+
+
+def test_the_loss_without_gradients_is_the_same_number():
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(37, 16, dtype=torch.float64), torch.randn(50, 16, dtype=torch.float64)
+    labels = torch.randint(0, 50, (37,))
+    labels[[3, 9]] = -100
+    with torch.no_grad():
+        plain = chunked_cross_entropy(hidden, weight, labels, chunk=8)
+    graded = chunked_cross_entropy(hidden.requires_grad_(), weight, labels, chunk=8)
+    torch.testing.assert_close(plain, graded.detach())
+
+
+def test_training_keys_are_validated():
+    cfg = config.resolve({"profile": "tiny", "train": {"base": {"activation_checkpointing": "selective",
+                                                                "compile": False, "offload": False}}})
+    assert cfg.train.base.activation_checkpointing == "selective" and cfg.train.base.compile is False
+    assert config.resolve({"profile": "prolong-64k"}).train.pretrain.stages[0].activation_checkpointing == "full"
+    with pytest.raises(ConfigError, match="activation_checkpointing"):
+        config.resolve({"profile": "tiny", "train": {"base": {"activation_checkpointing": True}}})
+
+
+def test_offload_without_a_gpu_is_refused():
+    with pytest.raises(ConfigError, match="offload: .* this run has no GPU"):
+        shard(build(small("llama")), Parallel(), offload=True)
