@@ -34,11 +34,9 @@ from pathlib import Path
 import torch
 
 from longctx.model.attention import available
-from longctx.model.loss import shift_labels
 from longctx.model.recompute import MODES
-from longctx.model.transfer import to_device
 from longctx.perf import measure, prepared, write_result
-from longctx.train.loop import Batch
+from longctx.train.loop import Batch, packed_batch
 from longctx.train.models import preset
 from longctx.train.parallel import close, init, with_sequence_parallel
 
@@ -62,8 +60,7 @@ def batch(seq: int, vocab: int, step: int, replica: int, device: torch.device) -
     seed = 1_000 * step + replica
     cu = documents(seq, seed)
     ids = torch.randint(0, vocab, (seq,), generator=torch.Generator().manual_seed(seed))
-    labels = shift_labels(ids, cu.long())
-    return Batch(to_device(ids, device), cu, to_device(labels, device), [seed], int((labels != -100).sum()))
+    return packed_batch(ids, cu, device, [seed])
 
 
 def run_setting(name: str, args, base_par) -> dict:

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from longctx.perf import attention_name, measure, one_document, prepared, profile, write_result
+from longctx.model.attention import resolve
+from longctx.perf import measure, one_document, prepared, profile, write_result
 from longctx.train.models import preset
 from longctx.train.parallel import Parallel
 
@@ -43,7 +44,7 @@ def main() -> None:
             for compile in compiles:
                 cfg = preset(shape, arch, tokens)
                 row = {"shape": shape.removeprefix("fox-"), "model": name, "tokens": tokens, "compile": compile,
-                       "recompute": recompute, "attention": attention_name(cfg, "auto", par.device)}
+                       "recompute": recompute, "attention": resolve("auto", par.device, arch == "fox")}
                 try:
                     run = prepared(cfg, par, compile=compile, recompute=recompute, acp=acp)
                     batch = one_document(tokens, cfg.vocab_size, par.device)

@@ -9,10 +9,9 @@ import pytest
 import torch
 
 from longctx.model.config import FoxConfig, ModelConfig, RopeConfig
-from longctx.model.loss import shift_labels
 from longctx.perf import prepared
 from longctx.train import checkpoint
-from longctx.train.loop import Batch
+from longctx.train.loop import Batch, packed_batch
 from longctx.train.parallel import Parallel
 
 pytestmark = pytest.mark.gpu
@@ -35,8 +34,7 @@ def batch(step: int, tokens: int = 4096) -> list[Batch]:
     cuts = torch.randperm(tokens - 1, generator=gen)[:4].sort().values + 1
     cu = torch.cat([torch.tensor([0]), cuts, torch.tensor([tokens])]).to(torch.int32)
     ids = (torch.arange(tokens) * 7 + torch.randint(0, 3, (tokens,), generator=gen)) % 1024
-    labels = shift_labels(ids, cu)
-    return [Batch(ids.to(DEV), cu, labels.to(DEV), [step], int((labels != -100).sum()))]
+    return [packed_batch(ids, cu, DEV, [step])]
 
 
 def curve(arch: str, compile: bool, recompute: str = "none", steps: int = 20, tokens: int = 4096):

@@ -15,12 +15,10 @@ from pathlib import Path
 import torch
 
 from .config import TrainConfig
-from .model.attention import resolve
 from .model.config import ModelConfig
-from .model.loss import shift_labels
-from .model.transfer import to_device
 from .train.compiled import graphs_compiled
-from .train.loop import MATMUL_BF16_FLOPS, Batch, flop_params, peak_flops, prepare, step_flops, train_step
+from .train.loop import (MATMUL_BF16_FLOPS, Batch, flop_params, packed_batch, peak_flops, prepare, step_flops,
+                         train_step)
 from .train.models import build
 from .train.optim import adamw
 from .train.parallel import Parallel
@@ -30,9 +28,7 @@ ACP_EPS = math.exp(-10)
 
 def one_document(tokens: int, vocab: int, device: torch.device, seed: int = 0) -> Batch:
     ids = torch.randint(0, vocab, (tokens,), generator=torch.Generator().manual_seed(seed))
-    cu = torch.tensor([0, tokens], dtype=torch.int32)
-    labels = shift_labels(ids, cu)
-    return Batch(to_device(ids, device), cu, to_device(labels, device), [seed], tokens - 1)
+    return packed_batch(ids, torch.tensor([0, tokens], dtype=torch.int32), device, [seed])
 
 
 @dataclass
@@ -63,10 +59,6 @@ def prepared(cfg: ModelConfig, par: Parallel, *, compile: bool, recompute: str =
     model = build(cfg, backend, device=par.device)
     prepare(model, train_cfg, par)
     return Run(model, adamw(model, train_cfg.lr, train_cfg.betas, train_cfg.weight_decay), par, train_cfg)
-
-
-def attention_name(cfg: ModelConfig, backend: str, device: torch.device) -> str:
-    return resolve(backend, device, cfg.fox is not None)
 
 
 def measure(run: Run, batches, steps: int, warmup: int = 2) -> dict:

@@ -112,6 +112,14 @@ def make_batch(data: PackedDataset, samples: list[int], device: torch.device, mu
                  int((labels != IGNORE).sum()))
 
 
+def packed_batch(ids: torch.Tensor, cu_seqlens: torch.Tensor, device: torch.device, samples: list[int]) -> Batch:
+    """One packed sequence of host ids and boundaries as a Batch: next-token labels within each
+    document, ids and labels on `device`, boundaries kept on the host."""
+    labels = shift_labels(ids, cu_seqlens.long())
+    return Batch(to_device(ids, device), cu_seqlens, to_device(labels, device), samples,
+                 int((labels != IGNORE).sum()))
+
+
 def flop_params(model: torch.nn.Module) -> int:
     """Parameters that cost 6 FLOPs per token (the embedding lookup is free; a tied head is
     counted through lm_head)."""
@@ -273,13 +281,14 @@ def mean_loss(model: Transformer, data: PackedDataset, sequences: int, loss_chun
     """Mean next-token loss over the valid tokens of the first `sequences` sequences (spread over
     the data-parallel replicas; the result is the same on every rank)."""
     par = par or Parallel(device=next(model.parameters()).device)
-    total, batches = 0.0, []
+    total, valid = 0.0, 0
     for i in range(par.dp_rank, min(sequences, len(data)), par.dp):
-        batches.append(make_batch(data, [i], par.device, par.sp))
+        b = make_batch(data, [i], par.device, par.sp)
         with autocast(model, par.device):
-            total += float(model(batches[-1].ids, batches[-1].cu_seqlens.tolist(), sp_group=par.sp_group,
-                                 labels=batches[-1].labels, loss_chunk=loss_chunk))
-    return par.sum(total) / max(step_valid(batches, par), 1)
+            total += float(model(b.ids, b.cu_seqlens.tolist(), sp_group=par.sp_group, labels=b.labels,
+                                 loss_chunk=loss_chunk))
+        valid += b.valid if par.sp_rank == 0 else 0  # each sequence-parallel group counts once
+    return par.sum(total) / max(par.sum(valid), 1)
 
 
 def _truncate_log(path: Path, step: int) -> None:
