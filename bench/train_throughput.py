@@ -1,5 +1,5 @@
 """Training throughput on one GPU (issue 14): full optimizer steps as the training stages run
-them (the loop's own `prepare` and `train_step`: FSDP2 with bf16 weights over fp32 masters,
+them (the loop's own `prepare` and `train_step`: bf16 compute copies over fp32 masters, fused
 AdamW, the chunked loss, compiled blocks), eager beside compiled, for the 125M and 760M shapes,
 Llama-style, FoX (Pro) and FoX (Pro) with ACP (forget gates at their initialisation), at 16K
 tokens (one document) and at 64K; MFU over the datasheet peak (989 TFLOP/s) and over the bf16
@@ -12,6 +12,8 @@ matmul rate measured on these GPUs (790); the FoX/Transformer ratios (FoX paper 
 from __future__ import annotations
 
 import argparse
+import itertools
+import os
 from pathlib import Path
 
 import torch
@@ -34,48 +36,56 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="add one profiled step's GPU time by kernel kind")
     ap.add_argument("--only", nargs="*", help="shapes to run (default all)")
     ap.add_argument("--tokens", nargs="*", type=int, help="sequence lengths to run (default all)")
+    ap.add_argument("--models", nargs="*", choices=list(MODELS), help="models to run (default all)")
+    ap.add_argument("--step-end", nargs="*", default=["device"], choices=["device", "host"],
+                    help="where a step checks the loss and clips: on the device (fused AdamW skips a bad "
+                         "update) or on the host (LONGCTX_STEP_END=host); both to time them side by side")
     args = ap.parse_args()
     par = Parallel(device=torch.device("cuda"))
     rows = []
     for shape, tokens, recompute, compiles in SETTINGS:
         if (args.only and shape not in args.only) or (args.tokens and tokens not in args.tokens):
             continue
-        for name, (arch, acp) in MODELS.items():
-            for compile in compiles:
-                cfg = preset(shape, arch, tokens)
-                row = {"shape": shape.removeprefix("fox-"), "model": name, "tokens": tokens, "compile": compile,
-                       "recompute": recompute, "attention": resolve("auto", par.device, arch == "fox")}
-                try:
-                    run = prepared(cfg, par, compile=compile, recompute=recompute, acp=acp)
-                    batch = one_document(tokens, cfg.vocab_size, par.device)
-                    row.update(measure(run, lambda i: [batch], args.steps))
-                    if args.profile and tokens == 16384:
-                        row["profile"] = profile(run, [batch])
-                except torch.OutOfMemoryError:
-                    row["error"] = "out of memory"
-                rows.append(row)
-                print({k: v for k, v in row.items() if k not in ("profile", "losses")}, flush=True)
-                write_result(args.out, "train_throughput", {"rows": rows}, quiet=True)  # a cut-short run keeps these
-                run = None
-                torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats()
+        for (name, (arch, acp)), compile, end in itertools.product(MODELS.items(), compiles, args.step_end):
+            if args.models and name not in args.models:
+                continue
+            os.environ["LONGCTX_STEP_END"] = end
+            cfg = preset(shape, arch, tokens)
+            row = {"shape": shape.removeprefix("fox-"), "model": name, "tokens": tokens, "compile": compile,
+                   "step_end": end, "recompute": recompute, "attention": resolve("auto", par.device, arch == "fox")}
+            try:
+                run = prepared(cfg, par, compile=compile, recompute=recompute, acp=acp)
+                batch = one_document(tokens, cfg.vocab_size, par.device)
+                row.update(measure(run, lambda i: [batch], args.steps))
+                if args.profile and tokens == 16384:
+                    row["profile"] = profile(run, [batch])
+            except torch.OutOfMemoryError:
+                row["error"] = "out of memory"
+            rows.append(row)
+            print({k: v for k, v in row.items() if k not in ("profile", "losses")}, flush=True)
+            write_result(args.out, "train_throughput", {"rows": rows}, quiet=True)  # a cut-short run keeps these
+            run = None
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
     ratios = {}
     for r in rows:
         if r["model"] != "Transformer" and "tokens_per_s_per_gpu" in r:
             base = next((t for t in rows if t["model"] == "Transformer" and "tokens_per_s_per_gpu" in t and
-                         all(t[k] == r[k] for k in ("shape", "tokens", "compile"))), None)
+                         all(t[k] == r[k] for k in ("shape", "tokens", "compile", "step_end"))), None)
             if base:
                 key = f"{r['shape']} {r['tokens'] // 1024}K {'compiled' if r['compile'] else 'eager'} {r['model']}"
+                key += "" if r["step_end"] == "device" else " (host checks)"
                 ratios[key] = round(r["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"], 3)
-    print(f"\ntraining steps, FSDP2 bf16 over fp32, AdamW, one document ({torch.cuda.get_device_name()})")
-    print(f"{'shape':<5} {'model':<16} {'tokens':>6} {'mode':<9} {'attention':<9} {'ms/step':>8} {'tokens/s':>9} "
+    print(f"\ntraining steps, bf16 over fp32 masters, AdamW, one document ({torch.cuda.get_device_name()})")
+    print(f"{'shape':<5} {'model':<16} {'tokens':>6} {'mode':<14} {'attention':<9} {'ms/step':>8} {'tokens/s':>9} "
           f"{'MFU':>6} {'MFU/790':>7} {'GiB':>6} {'1st s':>6} {'graphs':>6}")
     for r in rows:
         mode = ("compiled" if r["compile"] else "eager") + ("" if r["recompute"] == "none" else f"+{r['recompute'][0]}AC")
+        mode += "" if r["step_end"] == "device" else "/host"
         if "error" in r:
-            print(f"{r['shape']:<5} {r['model']:<16} {r['tokens']:>6} {mode:<9} {r['attention']:<9} {r['error']}")
+            print(f"{r['shape']:<5} {r['model']:<16} {r['tokens']:>6} {mode:<14} {r['attention']:<9} {r['error']}")
             continue
-        print(f"{r['shape']:<5} {r['model']:<16} {r['tokens']:>6} {mode:<9} {r['attention']:<9} "
+        print(f"{r['shape']:<5} {r['model']:<16} {r['tokens']:>6} {mode:<14} {r['attention']:<9} "
               f"{r['step_s'] * 1e3:>8.1f} {r['tokens_per_s_per_gpu']:>9.0f} {r.get('mfu', '-'):>6} "
               f"{r.get('mfu_matmul_ceiling', '-'):>7} {r.get('peak_memory_gib', '-'):>6} {r['first_step_s']:>6} "
               f"{r['graphs_compiled']:>6}")

@@ -1,9 +1,12 @@
-"""Training on one GPU as the stages run it (FSDP2 bf16 over fp32 as a world of one, compiled
+"""Training on one GPU as the stages run it (bf16 compute copies over fp32 masters, compiled
 blocks, the chunked loss): compiled and eager give the same loss curve within bf16 tolerance,
-the recomputation policies give the same losses with less memory, and a checkpoint of the
-sharded single-GPU model resumes the same run. Skipped without CUDA."""
+the compute copies follow FSDP2's world of one (what offloading runs), the recomputation
+policies give the same losses with less memory, and a checkpoint of the single-GPU model
+resumes the same run. Skipped without CUDA."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -37,27 +40,49 @@ def batch(step: int, tokens: int = 4096) -> list[Batch]:
     return [packed_batch(ids, cu, DEV, [step])]
 
 
-def curve(arch: str, compile: bool, recompute: str = "none", steps: int = 20, tokens: int = 4096):
+def curve(arch: str, compile: bool, recompute: str = "none", steps: int = 20, tokens: int = 4096,
+          offload: bool = False):
     torch.cuda.reset_peak_memory_stats()
     run = prepared(config(arch), Parallel(device=DEV), compile=compile, recompute=recompute, acp=arch == "fox",
-                   lr=2e-3)
+                   offload=offload, lr=2e-3)
     losses = [run.step(batch(i, tokens))[1] for i in range(steps)]
     return losses, torch.cuda.max_memory_allocated() / 2**30, run
 
 
 @pytest.mark.parametrize("arch", ["llama", "fox"])
 def test_compiled_training_follows_eager(arch):
+    """20 steps of eager training; before each, the compiled twin takes the eager weights and
+    optimizer state, so every step compares the two on the same state (free-running curves part
+    by chance: bf16 rounding grows along training at this learning rate, 4% by step 15)."""
     from torch._dynamo.utils import counters
 
-    eager, _, _ = curve(arch, compile=False)
+    _, _, twin = curve(arch, compile=False, steps=0)
     breaks = sum(counters["graph_break"].values())
-    compiled, _, run = curve(arch, compile=True)
+    _, _, compiled = curve(arch, compile=True, steps=0)
+    losses, moved, apart = [], 0.0, 0.0
+    for i in range(20):
+        before = {k: v.clone() for k, v in twin.model.state_dict().items()}
+        compiled.model.load_state_dict(before)
+        compiled.opt.load_state_dict(copy.deepcopy(twin.opt.state_dict()))  # (it would share the tensors)
+        losses.append((twin.step(batch(i))[1], compiled.step(batch(i))[1]))
+        after, other = twin.model.state_dict(), compiled.model.state_dict()
+        moved += sum(float((after[k] - before[k]).abs().sum()) for k in before)
+        apart += sum(float((after[k] - other[k]).abs().sum()) for k in before)
     assert sum(counters["graph_break"].values()) == breaks  # whole blocks in one graph each
-    assert compiled[-1] < compiled[0] - 0.3  # it learns (H200: 6.98 -> 6.54 in 20 steps)
-    for step, (a, b) in enumerate(zip(compiled, eager, strict=True)):
-        assert abs(a - b) <= 0.02 * abs(b), (step, a, b)
+    assert losses[-1][0] < losses[0][0] - 0.3  # it learns (H200: 6.98 -> 5.97 in 20 steps)
+    for step, (a, b) in enumerate(losses):
+        assert abs(a - b) <= 0.01 * abs(a), (step, a, b)
+    assert apart < 0.25 * moved, (apart, moved)  # the updates agree: gradients match within bf16
     if arch == "fox":
-        assert 0.0 <= run.model.acp.stats.pruned_fraction() < 1.0
+        assert 0.0 <= compiled.model.acp.stats.pruned_fraction() < 1.0
+
+
+def test_compute_copies_follow_fsdp_world_of_one():
+    copies, _, run = curve("llama", compile=False, steps=6)
+    assert getattr(run.model, "compute_weights", None) is not None
+    fsdp, _, run = curve("llama", compile=False, steps=6, offload=True)  # FSDP2, optimizer on the host
+    assert getattr(run.model, "compute_weights", None) is None
+    assert copies == pytest.approx(fsdp, rel=2e-3)
 
 
 def test_recomputation_keeps_the_losses_and_saves_memory():

@@ -133,3 +133,74 @@ def test_training_keys_are_validated():
 def test_offload_without_a_gpu_is_refused():
     with pytest.raises(ConfigError, match="offload: .* this run has no GPU"):
         shard(build(small("llama")), Parallel(), offload=True)
+
+
+def test_compute_copies_keep_fp32_masters_and_accumulate_in_fp32():
+    """A single GPU's mixed precision (train/precision.py), on the CPU: forward and backward on
+    bf16 copies give the masters exactly the fp32 sum of a bf16 model's per-micro-batch
+    gradients (FSDP2's MixedPrecisionPolicy(bf16, fp32)); tied weights share one copy; outside
+    the step the model holds its fp32 masters, and the next step sees what the optimizer did."""
+    import copy
+
+    from longctx.train.precision import attach
+
+    torch.manual_seed(0)
+    cfg = small("llama").model_copy(update={"tie_embeddings": True})
+    model = build(cfg, "reference")
+    reference = copy.deepcopy(model).to(torch.bfloat16)
+    masters = dict(model.named_parameters())
+    attach(model)
+    cutsets = ([0, 50, 128], [0, 30, 90, 128])
+    with model.compute_weights.active():
+        assert model.lm_head.weight is model.embed_tokens.weight and model.lm_head.weight.dtype == torch.bfloat16
+        for i, cuts in enumerate(cutsets):
+            ids = torch.randint(0, 97, (cuts[-1],), generator=torch.Generator().manual_seed(i))
+            model(ids, cuts, labels=shift_labels(ids, torch.tensor(cuts))).backward()
+    expected = {n: torch.zeros_like(p) for n, p in masters.items()}
+    for i, cuts in enumerate(cutsets):
+        _, grads = step(reference, cuts, i)
+        for (n, _), g in zip(reference.named_parameters(), grads, strict=True):
+            expected[n] += g.float()
+    assert dict(model.named_parameters()) == masters and model.lm_head.weight is model.embed_tokens.weight
+    for n, p in masters.items():
+        assert p.dtype == torch.float32 and p.grad.dtype == torch.float32
+        assert torch.equal(p.grad, expected[n]), n
+    assert all(c.grad is None for c in model.compute_weights.copies)  # no bf16 gradient outlives backward
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt.step()
+    with model.compute_weights.active():
+        for n, p in model.named_parameters():
+            assert torch.equal(p, masters[n].detach().to(torch.bfloat16)), n
+
+
+def test_a_step_that_waits_on_the_device_once_updates_as_the_checked_one():
+    """Fused AdamW's step (train_step's path on one GPU) clips and skips on the device: the same
+    update as clipping and checking on the host, and a non-finite loss still raises with the
+    weights and the optimizer state untouched."""
+    import copy
+
+    from longctx.train.loop import TrainingDiverged, packed_batch, train_step
+
+    par = Parallel()
+    host, device = build(small("llama"), "reference"), build(small("llama"), "reference")
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, fused=fused) for m, fused in ((host, False), (device, True))]
+    for i, cuts in enumerate(LAYOUTS):
+        ids = torch.randint(0, 97, (cuts[-1],), generator=torch.Generator().manual_seed(i))
+        batch = [packed_batch(ids, torch.tensor(cuts, dtype=torch.int32), par.device, [i])]
+        clip = 0.5 if i % 2 == 0 else 100.0  # clipping, then not
+        a, b = (train_step(m, o, batch, par, clip) for m, o in zip((host, device), opts, strict=True))
+        assert a.loss == pytest.approx(b.loss, rel=1e-5) and a.grad_norm == pytest.approx(b.grad_norm, rel=1e-5)
+        assert (a.grad_norm > clip) == (clip == 0.5)
+    for x, y in zip(host.parameters(), device.parameters(), strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-5)
+    with torch.no_grad():
+        device.norm.weight.fill_(float("nan"))
+    weights, state = copy.deepcopy(device.state_dict()), copy.deepcopy(opts[1].state_dict())
+    with pytest.raises(TrainingDiverged, match="loss is nan"):
+        train_step(device, opts[1], batch, par, clip=0.5)
+    for k, v in device.state_dict().items():
+        torch.testing.assert_close(v, weights[k], equal_nan=True, rtol=0, atol=0)
+    for key, s in opts[1].state_dict()["state"].items():
+        for name, t in s.items():
+            assert torch.equal(t, state["state"][key][name]), (key, name)
+    assert not hasattr(opts[1], "found_inf")
