@@ -8,20 +8,15 @@ import hashlib
 import json
 from pathlib import Path
 
-import numpy as np
-
 from longctx.config import Config, flat
 from longctx.data.loader import PackedDataset
 from longctx.data.stats import format_table
 from longctx.data.tokenizer import TextTokenizer
 from longctx.errors import ConfigError, DataError
-from longctx.eval import needle
 from longctx.io import atomic_dir, write_json
-from longctx.model.config import RopeConfig
-from longctx.model.transformer import Transformer
-from longctx.plotting import finish, pyplot
-from longctx.ropesearch.evolve import Settings, search
-from longctx.ropesearch.space import Individual, Space, factors_of, method_ropes, rope_of, seeds
+from longctx.model.rope import hf_rope_parameters
+from longctx.ropesearch.compare import SEARCHED, needle_sets, plot_factors, search_and_compare
+from longctx.ropesearch.space import Space
 from longctx.tracking import stage_run
 from longctx.train.models import load_model
 
@@ -29,7 +24,6 @@ from . import _train
 from ._run import METRICS, PACKED, PLOTS, TOKENS, compute_device, main, write_csv
 
 OUT = _train.MODELS / "rope_search"
-SEARCHED = "longrope2"
 
 
 def pretrain_init(cfg: Config) -> str:
@@ -43,12 +37,6 @@ def skip(reason: str) -> None:
     METRICS.mkdir(exist_ok=True)
     write_json(METRICS / "rope_search.json", {"skipped": True})
     print(f"rope_search: skipped ({reason})")
-
-
-def use_rope(model: Transformer, rope: RopeConfig, window: int) -> Transformer:
-    """Point the model at another RoPE setting in place (the weights do not depend on it)."""
-    model.cfg = model.cfg.model_copy(update={"rope": rope, "max_position_embeddings": window})
-    return model
 
 
 def pick_split(cfg: Config, target: int) -> str:
@@ -91,39 +79,23 @@ def run(cfg: Config, root: Path) -> None:
     if tok.vocab_size > model.cfg.vocab_size:
         raise DataError(f"{TOKENS / 'tokenizer'}: {tok.vocab_size} tokens, the checkpoint's vocabulary has "
                         f"{model.cfg.vocab_size}: the tokenizer does not match the checkpoint")
-    both = needle.sequences(data, tok, target, rs.sequences + rs.table_sequences, rs.needle_depth, rs.seed)
-    fit_seqs, held_out = both[:rs.sequences], both[rs.sequences:]
-
-    def fitness(ind: Individual) -> float:
-        use_rope(model, rope_of(space, ind), target)
-        return needle.needle_nll(model, fit_seqs, rs.batch_tokens)
-
+    needles = needle_sets(data, tok, space, rs)
     theta_change = next((s.rope_theta for s in cfg.train.pretrain.stages if s.rope_theta), None)
-    ropes = method_ropes(space, theta_change)
-    settings = Settings(rs.population, rs.generations, rs.mutation, rs.crossover, rs.keep, rs.seed,
-                        rs.max_evaluations, rs.max_seconds)
+    lengths = sorted({original, target, *[n for n in rs.lengths if n <= data.seq_len]})
     with stage_run(cfg.tracking, root, "rope_search", flat(rs, "rope_search") | {"init": init}) as tracker:
         folder = _run_folder(cfg, init, split)
         folder.mkdir(parents=True, exist_ok=True)
-        state = search(space, fitness, settings, seeds(space, ropes), folder / "state.json")
-        best = state.population[0]
-        ropes[SEARCHED] = rope_of(space, best)
+        result = search_and_compare(model, space, data, tok, rs, needles, theta_change, lengths,
+                                    folder / "state.json")
+        state, table, factors = result.state, result.table, result.factors
+        summary = result.summary | {"split": split}
         for h in state.history:
             tracker.metrics({"search.best_needle_nll": h["best"], "search.mean_needle_nll": h["mean"],
                              "search.evaluations": h["evaluations"]}, step=h["generation"])
-        lengths = sorted({original, target, *[n for n in rs.lengths if n <= data.seq_len]})
-        table = method_table(model, ropes, space, data, tok, lengths, fit_seqs, held_out, rs)
         print(format_table({f"{r['method']} @ {r['length']}": r for r in table},
                            ["needle_ppl_search", "needle_ppl", "plain_ppl"], key="method @ length"))
-        factors = {name: factors_of(r, space).tolist() for name, r in ropes.items()}
-        summary = verdict(table, target)
-        summary |= {"critical_index_theory": space.tcd, "critical_index_searched": best.r,
-                    "attention_factor": best.attention,
-                    "candidates": [space.lo, space.r_max], "scale": space.scale, "evaluations": len(state.cache),
-                    "generations": state.generation, "stopped": state.stopped, "split": split,
-                    "original_window": original, "target_length": target}
         with atomic_dir(OUT) as tmp:
-            write_json(tmp / "factors.json", hf_form(ropes[SEARCHED], space) | {"searched_on": init})
+            write_json(tmp / "factors.json", hf_rope_parameters(result.ropes[SEARCHED]) | {"searched_on": init})
             write_json(tmp / "methods.json", factors)
             (tmp / "history.jsonl").write_text("".join(json.dumps(h) + "\n" for h in state.history))
             write_csv(tmp / "table.csv", table)
@@ -139,69 +111,6 @@ def run(cfg: Config, root: Path) -> None:
         tracker.artifact(PLOTS / "rope_factors.png")
         print(f"rope_search: {SEARCHED} needle ppl {summary['searched_needle_ppl']:.3f} vs best baseline "
               f"{summary['best_baseline']} {summary['best_baseline_needle_ppl']:.3f} at {target} (held-out sequences)")
-
-
-def method_table(model, ropes: dict[str, RopeConfig], space: Space, data: PackedDataset, tok, lengths: list[int],
-                 fit_seqs, held_out, rs) -> list[dict]:
-    """Needle and plain perplexity of every method at every length, on the same sequences."""
-    rows = []
-    per_length = {}
-    for n in lengths:
-        seqs = held_out if n == space.target else needle.sequences(data, tok, n, rs.table_sequences,
-                                                                  rs.needle_depth, rs.seed + n)
-        docs = [np.asarray(data[i].input_ids[:n]) for i in needle.long_documents(data, n)[:rs.table_sequences]]
-        per_length[n] = (seqs, docs)
-    for name, rope in ropes.items():
-        use_rope(model, rope, space.target)
-        for n in lengths:
-            seqs, docs = per_length[n]
-            row = {"method": name, "length": n,
-                   "needle_ppl": needle.perplexity(needle.needle_nll(model, seqs, rs.batch_tokens)),
-                   "plain_ppl": needle.perplexity(needle.plain_nll(model, docs, rs.batch_tokens))}
-            if n == space.target:
-                row["needle_ppl_search"] = needle.perplexity(needle.needle_nll(model, fit_seqs, rs.batch_tokens))
-            rows.append({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()})
-    return rows
-
-
-def verdict(table: list[dict], target: int) -> dict:
-    """The searched factors against the best baseline at the target length."""
-    at = {r["method"]: r for r in table if r["length"] == target}
-    baselines = {m: r for m, r in at.items() if m != SEARCHED}
-    best = min(baselines, key=lambda m: baselines[m]["needle_ppl"])
-    best_search = min(baselines, key=lambda m: baselines[m]["needle_ppl_search"])
-    return {"searched_needle_ppl": at[SEARCHED]["needle_ppl"], "best_baseline": best,
-            "best_baseline_needle_ppl": baselines[best]["needle_ppl"],
-            "searched_needle_ppl_search_set": at[SEARCHED]["needle_ppl_search"],
-            "best_baseline_search_set": best_search,
-            "best_baseline_needle_ppl_search_set": baselines[best_search]["needle_ppl_search"],
-            # the acceptance: on the sequences every method was scored on, the searched factors are
-            # not worse than the best baseline (equal up to float noise when the search lands on one)
-            "searched_not_worse": at[SEARCHED]["needle_ppl_search"]
-            <= baselines[best_search]["needle_ppl_search"] * (1 + 1e-4),
-            # and on documents the search never saw (noisier: a handful of sequences)
-            "searched_not_worse_held_out": at[SEARCHED]["needle_ppl"] <= baselines[best]["needle_ppl"] * (1 + 1e-4)}
-
-
-def hf_form(rope: RopeConfig, space: Space) -> dict:
-    """What HF's rope_scaling takes for 'longrope' (and pretrain's train.pretrain.factors)."""
-    return {"rope_type": "longrope", "short_factor": rope.short_factor, "long_factor": rope.long_factor,
-            "original_max_position_embeddings": space.original, "factor": space.scale,
-            "attention_factor": rope.attention_factor,
-            "rope_theta": space.theta}
-
-
-def plot_factors(factors: dict[str, list[float]], space: Space, path: Path) -> None:
-    """Factor vs frequency index for every method (LongRoPE2's Figure 4)."""
-    fig, ax = pyplot().subplots(figsize=(8, 4.5))
-    for name, f in factors.items():
-        ax.plot(range(len(f)), f, marker="o" if name == SEARCHED else ".", linewidth=2.2 if name == SEARCHED else 1.2,
-                label=name)
-    ax.axvline(space.tcd, color="k", linestyle="--", linewidth=1, label=f"theoretical critical index {space.tcd}")
-    ax.axhline(space.scale, color="grey", linestyle=":", linewidth=1, label=f"s = {space.scale:g}")
-    ax.set_yscale("log")
-    finish(fig, ax, path, "frequency index i (dimension 2i)", "rescale factor lambda_i",
-           f"RoPE factors, {space.original} -> {space.target} tokens")
 
 
 def _run_folder(cfg: Config, init: str, split: str) -> Path:

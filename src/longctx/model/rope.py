@@ -129,18 +129,22 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + rotated * sin
 
 
+HF_KEYS = {
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+    "yarn": ("factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow",
+             "mscale", "mscale_all_dim", "truncate"),
+    "llama3": ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"),
+    "longrope": ("short_factor", "long_factor", "original_max_position_embeddings", "factor", "attention_factor"),
+}
+"""The fields HF transformers' `rope_parameters` carries per RoPE type (besides type and theta)."""
+
+
 def hf_rope_parameters(cfg: RopeConfig) -> dict:
-    """The `rope_parameters` / `rope_scaling` dict HF transformers reads for this config."""
+    """The `rope_parameters` / `rope_scaling` dict HF transformers reads for this config (also the
+    form of rope_search's factors.json)."""
     out: dict = {"rope_type": cfg.type, "rope_theta": cfg.theta}
-    keys = {
-        "linear": ("factor",),
-        "dynamic": ("factor",),
-        "yarn": ("factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow",
-                 "mscale", "mscale_all_dim", "truncate"),
-        "llama3": ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"),
-        "longrope": ("short_factor", "long_factor", "original_max_position_embeddings", "factor", "attention_factor"),
-    }.get(cfg.type, ())
-    for k in keys:
+    for k in HF_KEYS.get(cfg.type, ()):
         v = getattr(cfg, k)
         if v is not None:
             out[k] = v

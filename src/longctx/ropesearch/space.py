@@ -164,10 +164,10 @@ def method_ropes(space: Space, base_change_theta: float | None) -> dict[str, Rop
 
 def longrope(space: Space, factors: np.ndarray, attention: float | None = None) -> RopeConfig:
     """Factors in HF's longrope form: short factors 1 (inside the original window), long factors
-    given; attention factor given, else LongRoPE2's sqrt(1 + ln s / ln L_train)."""
+    given; attention factor given, else LongRoPE2's sqrt(1 + ln s / ln L_train); the scale s."""
     return RopeConfig(type="longrope", theta=space.theta, short_factor=[1.0] * space.half,
                       long_factor=[float(x) for x in factors], original_max_position_embeddings=space.original,
-                      attention_factor=attention or space.paper_attention)
+                      factor=space.scale, attention_factor=attention or space.paper_attention)
 
 
 def rope_of(space: Space, ind: Individual) -> RopeConfig:

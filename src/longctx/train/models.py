@@ -9,11 +9,13 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+from pydantic import ValidationError
 
 from ..config import ModelParams
 from ..errors import DataError
 from ..model.config import PRESETS, FoxConfig, ModelConfig, RopeConfig
 from ..model.hf import load_hf, load_native, save_hf, save_native
+from ..model.rope import HF_KEYS, from_hf
 from ..model.transformer import Transformer
 
 
@@ -86,7 +88,8 @@ def with_positions(model: Transformer, rope: RopeConfig | None, window: int) -> 
 
 
 def longrope_factors(path: str | Path, model: Transformer) -> RopeConfig:
-    """LongRoPE factors from a JSON file in HF's longrope form, checked against the model."""
+    """LongRoPE factors from a JSON file in HF's longrope form (rope_search's factors.json),
+    checked against the model, at the model's own RoPE base."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: LongRoPE factors file not found (run the rope_search stage)")
@@ -97,16 +100,17 @@ def longrope_factors(path: str | Path, model: Transformer) -> RopeConfig:
     if model.cfg.rope is None:
         raise DataError(f"{path}: the model has no RoPE (FoX); LongRoPE factors do not apply")
     half = model.cfg.dim_head // 2
+    params = {k: doc[k] for k in HF_KEYS["longrope"] if k in doc}
+    params.setdefault("short_factor", [1.0] * half)
+    params.setdefault("original_max_position_embeddings", model.cfg.max_position_embeddings)
     for key in ("short_factor", "long_factor"):
-        values = doc.get(key, [1.0] * half if key == "short_factor" else None)
-        if not isinstance(values, list) or len(values) != half:
+        if not isinstance(params.get(key), list) or len(params[key]) != half:
             raise DataError(f"{path}: {key} must be a list of {half} numbers (head_dim {model.cfg.dim_head})")
-        doc[key] = values
-    return RopeConfig(type="longrope", theta=model.cfg.rope.theta, short_factor=doc["short_factor"],
-                      long_factor=doc["long_factor"],
-                      original_max_position_embeddings=doc.get("original_max_position_embeddings",
-                                                               model.cfg.max_position_embeddings),
-                      attention_factor=doc.get("attention_factor"))
+    try:
+        return from_hf({"rope_type": "longrope", **params}, model.cfg.rope.theta)
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise DataError(f"{path}: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
 
 
 def save_model(model: Transformer, folder: Path, tokenizer_dir: Path | None) -> None:

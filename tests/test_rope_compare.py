@@ -1,0 +1,101 @@
+"""The rope_search stage's library half (ropesearch/compare.py): the search and the method table
+on real packed documents with a small model, the acceptance verdict, and the HF longrope form
+the factors are written in and read back from (model/rope.py, one place for both)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from longctx.config import RopeSearchConfig
+from longctx.data.loader import PackedDataset
+from longctx.data.tokenizer import TextTokenizer
+from longctx.errors import DataError
+from longctx.model.config import ModelConfig, RopeConfig
+from longctx.model.rope import from_hf, hf_rope_parameters
+from longctx.model.transformer import Transformer
+from longctx.ropesearch.compare import SEARCHED, needle_sets, plot_factors, search_and_compare, use_rope, verdict
+from longctx.ropesearch.space import Space, longrope, method_ropes
+from longctx.train.models import longrope_factors
+
+
+def model(window: int = 128) -> Transformer:
+    torch.manual_seed(0)
+    return Transformer(ModelConfig(vocab_size=1024, d_model=32, n_layers=2, n_heads=2, ffn_dim=64,
+                                   max_position_embeddings=window, rope=RopeConfig(theta=10000.0)), "sdpa").eval()
+
+
+def test_search_and_compare_score_every_method_on_the_same_sequences(small_project, tmp_path):
+    data = PackedDataset(small_project / "data/packed/stage1/val")
+    tok = TextTokenizer.load(small_project / "data/tokens/tokenizer")
+    m = model()
+    space = Space(m.cfg.dim_head, 10000.0, 128, 512)
+    rs = RopeSearchConfig(sequences=2, table_sequences=2, population=6, generations=2, seed=1)
+    needles = needle_sets(data, tok, space, rs)
+    assert [len(n) for n in needles] == [2, 2]
+    assert not {s.value for s in needles[0]} & {s.value for s in needles[1]}  # held out: other needles
+    result = search_and_compare(m, space, data, tok, rs, needles, 160000.0, [128, 512], tmp_path / "state.json")
+    methods = {"original", "pi", "ntk", "yarn", "base_change", SEARCHED}
+    assert {(r["method"], r["length"]) for r in result.table} == {(x, n) for x in methods for n in (128, 512)}
+    assert all(("needle_ppl_search" in r) == (r["length"] == 512) for r in result.table)
+    assert all(r["needle_ppl"] > 1 and r["plain_ppl"] > 1 for r in result.table)
+    # the search is seeded with every baseline and keeps the best: on the search's own sequences
+    # it is not worse than any of them
+    assert result.summary["searched_not_worse"] is True
+    assert result.summary["target_length"] == 512 and result.summary["generations"] == 2
+    assert set(result.factors) == methods and all(len(f) == 8 for f in result.factors.values())
+    np.testing.assert_allclose(result.factors["pi"], 4.0, rtol=1e-5)  # position interpolation: s everywhere
+    assert json.loads((tmp_path / "state.json").read_text())["generation"] == 2
+    plot_factors(result.factors, space, tmp_path / "factors.png")
+    assert (tmp_path / "factors.png").stat().st_size > 10_000
+
+
+def table(searched: float, searched_fit: float) -> list[dict]:
+    rows = [{"method": "pi", "length": 512, "needle_ppl": 3.0, "needle_ppl_search": 2.0},
+            {"method": "yarn", "length": 512, "needle_ppl": 2.5, "needle_ppl_search": 2.2},
+            {"method": "yarn", "length": 128, "needle_ppl": 1.1, "needle_ppl_search": 1.0}]
+    return [*rows, {"method": SEARCHED, "length": 512, "needle_ppl": searched, "needle_ppl_search": searched_fit}]
+
+
+def test_the_verdict_compares_with_the_best_baseline_on_each_set():
+    v = verdict(table(2.4, 1.9), 512)
+    assert (v["best_baseline"], v["best_baseline_needle_ppl"]) == ("yarn", 2.5)  # held out
+    assert (v["best_baseline_search_set"], v["best_baseline_needle_ppl_search_set"]) == ("pi", 2.0)
+    assert v["searched_not_worse"] and v["searched_not_worse_held_out"]
+    v = verdict(table(2.6, 2.0001), 512)  # equal up to float noise still passes; worse does not
+    assert v["searched_not_worse"] and not v["searched_not_worse_held_out"]
+    assert not verdict(table(2.4, 2.01), 512)["searched_not_worse"]
+
+
+def test_the_factors_file_is_hf_longrope_and_reads_back(tmp_path):
+    space = Space(16, 10000.0, 128, 512)
+    searched = longrope(space, np.linspace(1.0, 6.0, 8), 1.2)
+    doc = hf_rope_parameters(searched)
+    assert doc["rope_type"] == "longrope" and doc["factor"] == 4.0 and doc["original_max_position_embeddings"] == 128
+    path = tmp_path / "factors.json"
+    path.write_text(json.dumps(doc | {"searched_on": "models/base"}))
+    m = model()
+    assert longrope_factors(path, m) == searched  # the file's extra keys are ignored, the model's base kept
+    for rope in [*method_ropes(space, 160000.0).values(), searched]:
+        assert from_hf(hf_rope_parameters(rope)) == rope
+    path.write_text(json.dumps(doc | {"long_factor": [1.0] * 7}))
+    with pytest.raises(DataError, match="long_factor must be a list of 8 numbers"):
+        longrope_factors(path, m)
+    path.write_text(json.dumps(doc | {"attention_factor": -1}))
+    with pytest.raises(DataError, match=f"{path}: .*attention_factor"):
+        longrope_factors(path, m)
+
+
+def test_use_rope_changes_positions_only():
+    m = model()
+    ids = torch.randint(0, 1024, (512,), generator=torch.Generator().manual_seed(0))
+    weights = {k: v.clone() for k, v in m.state_dict().items()}
+    before = m(ids)
+    space = Space(16, 10000.0, 128, 512)
+    assert use_rope(m, longrope(space, np.full(8, 4.0)), 512) is m
+    assert m.cfg.max_position_embeddings == 512 and m.cfg.rope.type == "longrope"
+    assert not torch.allclose(m(ids), before)
+    assert all(torch.equal(v, weights[k]) for k, v in m.state_dict().items())
