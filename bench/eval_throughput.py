@@ -1,4 +1,4 @@
-"""Eval throughput on one GPU (issue 6): prompts/s and tokens/s of the eval stage's greedy
+"""Eval throughput on one GPU: prompts/s and tokens/s of the eval stage's greedy
 decoding for a 125M model at 4K and 16K prompts: ours (attention backend for the prompt, KV cache
 after) against transformers' generate on the HF export of the same weights (the peer, same run),
 and FoX (Pro) with ours. Random weights (speed does not depend on them); answers are checked to

@@ -9,7 +9,7 @@ size. For each size, in separate processes on the same machine:
   ours         the tokenize stage (worker processes, shards, length filter) then the pack stage.
 The ratio that counts is ours / the faster peer.
 Peak memory is the largest summed RSS of the process and its children, sampled every 20 ms.
-Targets (issue 2): ours/peer time <= 1.25; our peak RSS at 4x <= 1.2x that at 1x.
+Targets: ours/peer time <= 1.25; our peak RSS at 4x <= 1.2x that at 1x.
 
     python bench/tokenize_pack.py                 # 200 MB and 800 MB
     python bench/tokenize_pack.py --mb 20         # a quick look

@@ -1,10 +1,10 @@
-"""Training throughput on one GPU (issue 14): full optimizer steps as the training stages run
-them (the loop's own `prepare` and `train_step`: bf16 compute copies over fp32 masters, fused
-AdamW, the chunked loss, compiled blocks), eager beside compiled, for the 125M and 760M shapes,
-Llama-style, FoX (Pro) and FoX (Pro) with ACP (forget gates at their initialisation), at 16K
-tokens (one document) and at 64K; MFU over the datasheet peak (989 TFLOP/s) and over the bf16
-matmul rate measured on these GPUs (790); the FoX/Transformer ratios (FoX paper Table 6: 27k /
-38k = 0.71 on 4 x L40S); and with --profile, where one step's GPU time goes.
+"""Training throughput on one GPU (work log: bench/training_speed_notes.md): full optimizer steps as
+the training stages run them (the loop's own `prepare` and `train_step`: bf16 compute copies over
+fp32 masters, fused AdamW, the chunked loss, compiled blocks), eager beside compiled, for the 125M
+and 760M shapes, Llama-style, FoX (Pro) and FoX (Pro) with ACP (forget gates at their
+initialisation), at 16K tokens (one document) and at 64K; MFU over the datasheet peak (989 TFLOP/s)
+and over the bf16 matmul rate measured on these GPUs (790); the FoX/Transformer ratios (FoX paper
+Table 6: 27k / 38k = 0.71 on 4 x L40S); and with --profile, where one step's GPU time goes.
 
     python bench/train_throughput.py --out bench/results      # on a CUDA machine
 """

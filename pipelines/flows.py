@@ -25,7 +25,15 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.concurrency.sync import concurrency
 from prefect.runtime import flow_run
 
-STAGES = ["corpora", "tokenize", "pack", "base", "rope_search", "pretrain", "sft", "eval"]
+from longctx.config import load
+from longctx.tracking import PARENT_ENV, end_run, open_run, tag_children, tracking_uri
+
+def stages_of(workspace: Path) -> list[str]:
+    """The DVC stages in the order dvc.yaml lists them (the order they depend on each other)."""
+    return list(yaml.safe_load((workspace / "dvc.yaml").read_text())["stages"])
+
+
+STAGES = stages_of(Path(__file__).resolve().parents[1])
 GPU_STAGES = {"base", "rope_search", "pretrain", "sft", "eval"}
 GPU_LIMIT = "longctx-gpu"
 
@@ -105,7 +113,7 @@ def run_stage(workspace: str, stage: str, parent_run: str | None, tracking_uri: 
     with gpu_slot(stage) as extra:
         env = {**os.environ, **extra, "MLFLOW_TRACKING_URI": tracking_uri, "DVC_NO_ANALYTICS": "1"}
         if parent_run:
-            env["LONGCTX_MLFLOW_PARENT_RUN"] = parent_run
+            env[PARENT_ENV] = parent_run
         proc = subprocess.Popen(["dvc", "repro", stage], cwd=ws, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, bufsize=1)
         tail: list[str] = []
@@ -146,58 +154,28 @@ def _summary(results: dict[str, dict]) -> str:
 
 @flow(name="longctx-pipeline", log_prints=True)
 def pipeline(workspace: str = ".", stages: list[str] | None = None) -> dict[str, dict]:
-    """Run the DVC stages in order (all by default); a failed stage fails the flow with its error."""
+    """Run the DVC stages in order (all by default); a failed stage fails the flow with its error.
+    MLflow store and experiment are the workspace params' `tracking` settings, as for the stages."""
     ws = Path(workspace).resolve()
-    chosen = [s for s in STAGES if stages is None or s in stages]
-    tracking_uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{ws / 'mlflow.db'}"
+    chosen = [s for s in stages_of(ws) if stages is None or s in stages]
+    tracking = load(ws / "params.yaml").tracking
+    uri = tracking_uri(tracking, ws)
     with workspace_lock(ws):
-        parent = _parent_run(ws, tracking_uri)
+        parent = open_run(tracking, ws, "pipeline", flow_run.get_name() or "pipeline",
+                          {"prefect.flow_run_id": str(flow_run.get_id() or "")})
         results = {}
         try:
             for stage in chosen:
                 tags = ["gpu"] if stage in GPU_STAGES else ["cpu"]
                 results[stage] = run_stage.with_options(tags=tags, task_run_name=f"dvc repro {stage}")(
-                    str(ws), stage, parent, tracking_uri)
-                _tag_child(tracking_uri, parent, stage, lock_hash(ws, stage))
+                    str(ws), stage, parent, uri)
+                if digest := lock_hash(ws, stage):
+                    tag_children(tracking, ws, parent, stage, {"dvc.lock_md5": digest})
         finally:
-            _end_parent(tracking_uri, parent, ok=len(results) == len(chosen))
+            end_run(tracking, ws, parent, ok=len(results) == len(chosen))
             create_markdown_artifact(_summary(results), key="longctx-stages",
                                      description=f"stage metrics of {ws}")
     return results
-
-
-def _parent_run(ws: Path, uri: str) -> str | None:
-    import mlflow
-    from mlflow.tracking import MlflowClient
-
-    mlflow.set_tracking_uri(uri)
-    client = MlflowClient(uri)
-    exp = client.get_experiment_by_name("longctx")
-    exp_id = exp.experiment_id if exp else client.create_experiment(
-        "longctx", artifact_location=(ws / "mlartifacts").as_uri())
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ws, capture_output=True, text=True).stdout.strip()
-    run = client.create_run(exp_id, run_name=flow_run.get_name() or "pipeline",
-                            tags={"longctx.stage": "pipeline", "git.commit": commit or "none",
-                                  "prefect.flow_run_id": str(flow_run.get_id() or "")})
-    return run.info.run_id
-
-
-def _tag_child(uri: str, parent: str | None, stage: str, digest: str | None) -> None:
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(uri)
-    runs = client.search_runs([client.get_run(parent).info.experiment_id],
-                              filter_string=f"tags.mlflow.parentRunId = '{parent}' and tags.`longctx.stage` = '{stage}'")
-    for r in runs:
-        if digest:
-            client.set_tag(r.info.run_id, "dvc.lock_md5", digest)
-
-
-def _end_parent(uri: str, parent: str | None, ok: bool) -> None:
-    from mlflow.tracking import MlflowClient
-
-    if parent:
-        MlflowClient(uri).set_terminated(parent, "FINISHED" if ok else "FAILED")
 
 
 @task
@@ -246,9 +224,9 @@ def sweep(workspace: str = ".", grid: dict[str, list] | None = None, jobs: int =
     publish a comparison table (Prefect artifact; MLflow runs carry each experiment's name)."""
     ws = Path(workspace).resolve()
     grid = grid or {"train.pretrain.factors": [None, "search"]}
-    uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{ws / 'mlflow.db'}"
+    tracking = load(ws / "params.yaml").tracking
     with workspace_lock(ws):
-        exps = queue_and_run(str(ws), grid, jobs, uri)
+        exps = queue_and_run(str(ws), grid, jobs, tracking_uri(tracking, ws))
     keys = list(grid)
     lines = ["| experiment | " + " | ".join(keys) + " | eval mean score | pretrain val loss |",
              "|---" * (len(keys) + 3) + "|"]
@@ -262,22 +240,10 @@ def sweep(workspace: str = ".", grid: dict[str, list] | None = None, jobs: int =
                      f" | {sum(scores) / len(scores) if scores else float('nan'):.4f} | {val[-1] if val else 'n/a'} |")
     table = "\n".join(lines)
     create_markdown_artifact(table, key="longctx-sweep", description=f"experiments of {ws}")
-    _log_comparison(uri, table)
+    # the comparison as a run of its own (the experiments' runs carry dvc.experiment tags)
+    run = open_run(tracking, ws, "sweep", f"sweep {flow_run.get_name() or ''}".strip())
+    end_run(tracking, ws, run, ok=True, text={"sweep_comparison.md": table})
     return exps
-
-
-def _log_comparison(uri: str, table: str) -> None:
-    """The comparison as an MLflow run of its own (the experiments' runs carry dvc.experiment tags)."""
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(uri)
-    exp = client.get_experiment_by_name("longctx")
-    if exp is None:
-        return
-    run = client.create_run(exp.experiment_id, run_name=f"sweep {flow_run.get_name() or ''}".strip(),
-                            tags={"longctx.stage": "sweep"})
-    client.log_text(run.info.run_id, table, "sweep_comparison.md")
-    client.set_terminated(run.info.run_id)
 
 
 def _lookup(tree: dict, dotted: str):

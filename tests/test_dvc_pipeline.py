@@ -11,6 +11,8 @@ import yaml
 
 from conftest import SMALL, dvc_workspace, sh
 
+pytestmark = pytest.mark.slow  # end to end through real DVC, Prefect and MLflow: `pytest -m "not slow"` skips it
+
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory) -> tuple[Path, dict]:

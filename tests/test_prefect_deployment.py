@@ -16,6 +16,8 @@ from mlflow.tracking import MlflowClient
 from conftest import SMALL, dvc_workspace, sh
 from pipelines.flows import STAGES
 
+pytestmark = pytest.mark.slow  # end to end through real DVC, Prefect and MLflow: `pytest -m "not slow"` skips it
+
 
 def free_port() -> int:
     with socket.socket() as s:

@@ -16,6 +16,8 @@ from prefect.testing.utilities import prefect_test_harness
 from conftest import SMALL, dvc_workspace, sh
 from pipelines.flows import STAGES, StageFailed, pipeline, sweep
 
+pytestmark = pytest.mark.slow  # end to end through real DVC, Prefect and MLflow: `pytest -m "not slow"` skips it
+
 
 @pytest.fixture(scope="module")
 def harness():
@@ -78,3 +80,21 @@ def test_failure_then_resume_and_mlflow_parent_runs(tmp_path, monkeypatch, harne
     assert {r.info.run_name for r in runs} == {"eval"}
     table = client.search_runs([exp.experiment_id], filter_string="tags.`longctx.stage` = 'sweep'")
     assert len(table) == 1 and "sweep_comparison.md" in {a.path for a in client.list_artifacts(table[0].info.run_id)}
+
+
+def test_the_flow_tracks_where_params_say(tmp_path, monkeypatch, harness):
+    """params' tracking.uri and tracking.experiment hold under Prefect as under `dvc repro`: the
+    pipeline's parent run and its stages' runs land in that store and experiment, nothing in the
+    default store."""
+    ws = tmp_path / "ws"
+    env = dvc_workspace(ws, {**SMALL, "tracking": {"uri": "sqlite:///elsewhere.db", "experiment": "mine"}})
+    monkeypatch.setenv("PYTHONPATH", env["PYTHONPATH"])
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert set(pipeline(str(ws), stages=["corpora"])) == {"corpora"}
+    assert not (ws / "mlflow.db").exists()
+    client = MlflowClient(f"sqlite:///{ws / 'elsewhere.db'}")
+    exp = client.get_experiment_by_name("mine")
+    parents = client.search_runs([exp.experiment_id], filter_string="tags.`longctx.stage` = 'pipeline'")
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    assert children(client, parents[0]) == {"corpora": "FINISHED"}
+    assert client.get_experiment_by_name("longctx") is None

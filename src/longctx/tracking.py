@@ -65,12 +65,35 @@ class Tracker:
             self._mlflow.log_text(text, name)
 
 
-def _git_commit(root: Path) -> str | None:
+def git_commit(root: Path) -> str | None:
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout.strip() or None
+
+
+def run_tags(root: Path, stage: str) -> dict[str, str]:
+    """What every run carries: its stage, the code's commit and the DVC experiment it belongs to."""
+    tags = {"longctx.stage": stage}
+    if commit := git_commit(root):
+        tags["git.commit"] = commit
+    if os.environ.get("DVC_EXP_NAME"):
+        tags["dvc.experiment"] = os.environ["DVC_EXP_NAME"]
+    return tags
+
+
+def experiment_id(cfg: TrackingConfig, root: Path) -> str:
+    """The configured experiment in the configured store, made on first use with its artifacts in
+    the workspace's mlartifacts/."""
+    import mlflow
+
+    mlflow.set_tracking_uri(tracking_uri(cfg, root))
+    exp = mlflow.get_experiment_by_name(cfg.experiment)
+    if exp is not None:
+        return exp.experiment_id
+    store = workspace_root(root) / "mlartifacts"
+    return mlflow.create_experiment(cfg.experiment, artifact_location=store.resolve().as_uri())
 
 
 @contextlib.contextmanager
@@ -81,22 +104,48 @@ def stage_run(cfg: TrackingConfig, root: Path, stage: str, params: dict[str, Any
         return
     import mlflow
 
-    mlflow.set_tracking_uri(tracking_uri(cfg, root))
-    exp = mlflow.get_experiment_by_name(cfg.experiment)
-    if exp is None:
-        store = workspace_root(root) / "mlartifacts"
-        exp_id = mlflow.create_experiment(cfg.experiment, artifact_location=store.resolve().as_uri())
-    else:
-        exp_id = exp.experiment_id
-    tags = {"longctx.stage": stage}
-    if commit := _git_commit(root):
-        tags["git.commit"] = commit
-    if os.environ.get("DVC_EXP_NAME"):
-        tags["dvc.experiment"] = os.environ["DVC_EXP_NAME"]
+    exp_id = experiment_id(cfg, root)
     # under the Prefect pipeline each stage is a child of the pipeline run's MLflow run
     parent = os.environ.get(PARENT_ENV)
-    with mlflow.start_run(experiment_id=exp_id, run_name=stage, tags=tags, parent_run_id=parent):
+    with mlflow.start_run(experiment_id=exp_id, run_name=stage, tags=run_tags(root, stage), parent_run_id=parent):
         items = [(k, str(v)[:MAX_PARAM_CHARS]) for k, v in params.items()]
         for i in range(0, len(items), 100):
             mlflow.log_params(dict(items[i:i + 100]))
         yield Tracker(mlflow)
+
+
+def open_run(cfg: TrackingConfig, root: Path, stage: str, name: str, tags: dict[str, str] | None = None) -> str | None:
+    """A run that outlives this call (a pipeline's parent run, which its stages' runs join through
+    PARENT_ENV; end it with `end_run`); None when tracking is off."""
+    if not cfg.enabled:
+        return None
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri(cfg, root))
+    return client.create_run(experiment_id(cfg, root), run_name=name,
+                             tags=run_tags(root, stage) | (tags or {})).info.run_id
+
+
+def end_run(cfg: TrackingConfig, root: Path, run_id: str | None, ok: bool, text: dict[str, str] | None = None) -> None:
+    """Close a run from `open_run`, FINISHED or FAILED, with `text` files (name: content) attached."""
+    if run_id is None:
+        return
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri(cfg, root))
+    for name, content in (text or {}).items():
+        client.log_text(run_id, content, name)
+    client.set_terminated(run_id, "FINISHED" if ok else "FAILED")
+
+
+def tag_children(cfg: TrackingConfig, root: Path, parent: str | None, stage: str, tags: dict[str, str]) -> None:
+    """Tag the runs `stage` made under `parent`."""
+    if parent is None:
+        return
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri(cfg, root))
+    query = f"tags.mlflow.parentRunId = '{parent}' and tags.`longctx.stage` = '{stage}'"
+    for r in client.search_runs([experiment_id(cfg, root)], filter_string=query):
+        for k, v in tags.items():
+            client.set_tag(r.info.run_id, k, v)
