@@ -1,5 +1,5 @@
-"""FoX attention on one GPU (issue 8): forward + backward ms (gradients of q, k, v and, for FoX,
-log f) at T in {4K, 16K, 64K}, D in {64, 128}, heads x D = 2048, bf16, batch 1, for
+"""FoX attention on one GPU (bench/fox_kernel_notes.md): forward + backward ms (gradients of q, k, v
+and, for FoX, log f) at T in {4K, 16K, 64K}, D in {64, 128}, heads x D = 2048, bf16, batch 1, for
   sdpa        F.scaled_dot_product_attention(is_causal=True): FlashAttention-2, the plain
               Transformer's cost and the yardstick of every ratio
   fla         fla-core's parallel_forgetting_attn, the peer FoX kernel (when installed)
@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from longctx.model.fox_kernel import Acp, fox_attention
+from longctx.model.fox import Acp
+from longctx.model.fox.kernel import fox_attention
 from longctx.perf import write_result
 
 TARGETS = {("fox", 16384): 1.3, ("fox_acp", 16384): 1.0, ("fox_acp", 65536): 0.6}

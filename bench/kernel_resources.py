@@ -1,4 +1,4 @@
-"""Registers, spills and shared memory of the FoX kernels (issue 8) for one GPU architecture, per
+"""Registers, spills and shared memory of the FoX kernels for one GPU architecture, per
 autotuning configuration, compiled on this machine: Triton lowers each kernel to PTX and ptxas
 (shipped with Triton) reports, so no GPU is needed. Spilled registers go to local memory in the
 inner loop, which costs time; shared memory past the chip's limit makes a configuration fail to
@@ -24,7 +24,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from longctx.model import fox_kernel as fk  # noqa: E402
+from longctx.model.fox import kernel as fk  # noqa: E402
 from longctx.perf import write_result  # noqa: E402
 
 # the most dynamic shared memory one block may use, per compute capability (CUDA guide, table 21)

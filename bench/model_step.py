@@ -1,4 +1,4 @@
-"""Training-step cost of the model core per attention backend on one GPU (issue 3): full
+"""Training-step cost of the model core per attention backend on one GPU: full
 optimizer steps of the 125M shape (12 x 768, heads of 64) as the training stages run them
 (compiled blocks, FSDP2 bf16 over fp32), Llama-style (RoPE) and FoX (Pro), at 4K and 16K tokens
 (one document), for every backend that runs each; and the peak memory of a 64K-token step with

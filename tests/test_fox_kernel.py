@@ -1,4 +1,4 @@
-"""The Triton FoX kernel (model/fox_kernel.py) against the float64 reference: outputs and every
+"""The Triton FoX kernel (model/fox/kernel.py) against the float64 reference: outputs and every
 gradient (q, k, v, log f) on fresh random inputs and random document splits, GQA, padded head
 dims; ACP's pruned attention mass per row <= eps on inputs where pruning matters; the linear
 bounds search against its brute-force definition. On CUDA in bf16 at sizes that use many tiles;
@@ -15,9 +15,10 @@ import torch.nn.functional as F
 
 triton = pytest.importorskip("triton")
 
-from longctx.model import fox_kernel as fk  # noqa: E402
-from longctx.model.attention import doc_cumsum, reference  # noqa: E402
 from longctx.model.config import FoxConfig, ModelConfig  # noqa: E402
+from longctx.model.fox import Acp, doc_cumsum, reference  # noqa: E402
+from longctx.model.fox import kernel as fk  # noqa: E402
+from longctx.model.fox.acp import thresholds  # noqa: E402
 from longctx.model.transformer import Transformer  # noqa: E402
 
 # the interpreter's numpy warns where masked-out logits overflow before the mask drops them
@@ -95,7 +96,7 @@ def test_acp_prunes_at_most_eps_per_row(normalised):
     q, k, v, log_f = decaying(n, h, d, gen, normalised)
     cu = split(n, 3, gen)
     do = torch.randn(n, h, d, generator=gen).to(DEV, DTYPE)
-    acp = fk.Acp()
+    acp = Acp()
     bound = math.sqrt(d) if normalised else None  # gains 1: U = sqrt(d); else from max norms
     out, grads = run(q, k, v, log_f, cu, do, acp=acp, logit_bound=bound)
     pruned = acp.stats.pruned_fraction()
@@ -107,7 +108,7 @@ def test_acp_prunes_at_most_eps_per_row(normalised):
     lam = doc_cumsum(log_f.double(), cu)
     start, _ = fk.doc_bounds(cu, n)
     lam2 = (lam * fk.LOG2E).T.float().contiguous()
-    delta = fk.thresholds(q, k, scale, (cu[1:] - cu[:-1]).max(), acp.eps, bound)
+    delta = thresholds(q, k, scale, (cu[1:] - cu[:-1]).max(), acp.eps, bound)
     kstart, _ = fk.bounds(lam2, delta, start)
     pos = torch.arange(n, device=DEV)
     logits = torch.einsum("qhd,khd->hqk", q.double(), k.double()) * scale + (lam.T[:, :, None] - lam.T[:, None, :])
@@ -129,10 +130,10 @@ def test_thresholds_from_a_number_a_tensor_or_the_norms():
     q, k = torch.randn(50, 4, 16, generator=gen).to(DEV), torch.randn(50, 2, 16, generator=gen).to(DEV)
     longest = torch.tensor(50, device=DEV)
     want = torch.full((4,), -(2 * 3.0 + math.log(50)) + math.log(1e-4), device=DEV)
-    torch.testing.assert_close(fk.thresholds(q, k, 0.25, longest, 1e-4, 3.0), want)
-    torch.testing.assert_close(fk.thresholds(q, k, 0.25, longest, 1e-4, torch.tensor(3.0, device=DEV)), want)
+    torch.testing.assert_close(thresholds(q, k, 0.25, longest, 1e-4, 3.0), want)
+    torch.testing.assert_close(thresholds(q, k, 0.25, longest, 1e-4, torch.tensor(3.0, device=DEV)), want)
     u = q.norm(dim=-1).amax(0) * k.norm(dim=-1).amax(0).repeat_interleave(2) * 0.25  # KV head of each query head
-    torch.testing.assert_close(fk.thresholds(q, k, 0.25, longest, 1e-4, None),
+    torch.testing.assert_close(thresholds(q, k, 0.25, longest, 1e-4, None),
                                -(2 * u + math.log(50)) + math.log(1e-4))
 
 
@@ -144,7 +145,7 @@ def test_a_call_with_acp_never_waits_for_the_gpu():
     q, k, v, log_f = decaying(SIZE, 4, 64, gen, True)
     cu = split(SIZE, 3, gen)
     do = torch.randn(SIZE, 4, 64, generator=gen).to(DEV, DTYPE)
-    acp = fk.Acp()
+    acp = Acp()
     bound = torch.tensor(8.0, device=DEV)  # made before the check: making it copies from the host
     run(q, k, v, log_f, cu, do, acp=acp, logit_bound=8.0)  # compiles and tunes (those may sync)
     torch.cuda.synchronize()
@@ -246,8 +247,6 @@ def test_training_with_acp_logs_the_pruned_fraction(small_project, tmp_path):
 
 
 def test_acp_needs_a_fox_model_and_the_kernel():
-    from longctx.model.attention import Acp
-
     model = fox_model()
     model.attention_backend = "reference"
     model.acp = Acp()

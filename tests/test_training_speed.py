@@ -12,7 +12,7 @@ import torch
 from longctx import config
 from longctx.config import ModelParams
 from longctx.errors import ConfigError
-from longctx.model.attention import Acp
+from longctx.model.fox import Acp
 from longctx.model.config import PRESETS, FoxConfig, ModelConfig, RopeConfig
 from longctx.model.loss import chunked_cross_entropy, shift_labels
 from longctx.train.compiled import compile_blocks, graphs_compiled

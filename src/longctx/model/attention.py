@@ -14,7 +14,7 @@ Backends (one signature, chosen by `select`):
   flash_attn  flash_attn_varlen_func (CUDA, when flash-attn is installed); no FoX.
   varlen      torch.nn.attention.varlen.varlen_attn, PyTorch's built-in flash path (CUDA); no FoX.
   flex        FlexAttention with a document block mask and the FoX decay as a score_mod (CUDA).
-  fox         our Triton kernel (fox_kernel.py): FoX decay, documents, GQA, and Adaptive
+  fox         our Triton kernel (fox/kernel.py): FoX decay, documents, GQA, and Adaptive
               Computation Pruning when given an `Acp` (CUDA; the default for FoX there).
 
 Backends that need the document lengths on the host (the flash kernels size their grids by the
@@ -27,59 +27,15 @@ from __future__ import annotations
 import functools
 import importlib.util
 import inspect
-import math
-import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from . import cudnn_attention
+from .fox import INTERPRET, Acp, doc_cumsum, doc_ids, reference
 
 AttentionFn = Callable[..., torch.Tensor]
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-"""Triton kernels run in its interpreter (tests without CUDA): the 'fox' backend works on CPU."""
-
-
-def doc_cumsum(log_f: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """Lambda: the cumulative sum of log forget gates [N, H], restarting at each document (fp32,
-    or fp64 for fp64 inputs). Returned as the transpose of a contiguous [H, N]: PyTorch scans a
-    leading axis 50x slower than a trailing one (16K x 16 on an H200: 4.3 ms against 0.08 ms).
-    What earlier documents add is subtracted as a second scan over jumps at document starts, not
-    by indexing the first scan per token: the backward of a per-token index is a sorting scatter
-    (16.6 ms per layer of a 125M FoX step at 16K on an H200)."""
-    log_f = log_f.to(torch.promote_types(log_f.dtype, torch.float32)).T.contiguous()
-    total = log_f.cumsum(-1)
-    starts = cu_seqlens[1:-1].long()
-    before = total[:, starts - 1]  # everything before each later document's start
-    jumps = torch.zeros_like(total).index_add_(1, starts, torch.diff(before, dim=-1, prepend=torch.zeros_like(before[:, :1])))
-    return (total - jumps.cumsum(-1)).T
-
-
-def _doc_ids(cu_seqlens: torch.Tensor, n: int) -> torch.Tensor:
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    return torch.arange(lengths.numel(), device=cu_seqlens.device).repeat_interleave(lengths, output_size=n)
-
-
-def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-              log_f: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
-    n, h, d = q.shape
-    groups = h // k.shape[1]
-    k = k.repeat_interleave(groups, dim=1)
-    v = v.repeat_interleave(groups, dim=1)
-    scale = d**-0.5 if scale is None else scale
-    acc = torch.promote_types(q.dtype, torch.float32)
-    logits = torch.einsum("qhd,khd->hqk", q.to(acc), k.to(acc)) * scale
-    if log_f is not None:
-        lam = doc_cumsum(log_f, cu_seqlens)  # [N, H]
-        logits = logits + (lam.T[:, :, None] - lam.T[:, None, :])
-    doc = _doc_ids(cu_seqlens, n)
-    pos = torch.arange(n, device=q.device)
-    allowed = (doc[:, None] == doc[None, :]) & (pos[:, None] >= pos[None, :])
-    logits = logits.masked_fill(~allowed, float("-inf"))
-    probs = logits.softmax(dim=-1)
-    return torch.einsum("hqk,khd->qhd", probs, v.to(acc)).to(q.dtype)
 
 
 GROUP_TOKENS = 256  # measured on CPU: per-call overhead vs wasted masked work
@@ -104,7 +60,7 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Te
     lam = doc_cumsum(log_f, cu_seqlens) if log_f is not None else None
     out = torch.empty_like(q)
     bounds = cu_seqlens.tolist()
-    doc = _doc_ids(cu_seqlens, q.shape[0]) if len(bounds) > 2 else None
+    doc = doc_ids(cu_seqlens, q.shape[0]) if len(bounds) > 2 else None
     for a, b, several in _groups(bounds):
         qd, kd, vd = (t[a:b].transpose(0, 1)[None] for t in (q, k, v))  # [1, H, L, D]: 4-D for the flash kernels
         if lam is None and not several:
@@ -205,7 +161,7 @@ def flex(q, k, v, cu_seqlens, log_f=None, scale=None):
 def _flex(q, k, v, cu_seqlens, log_f=None, scale=None):
     attend, block_mask_of = _compiled_flex()
     n = q.shape[0]
-    doc = _doc_ids(cu_seqlens, n)
+    doc = doc_ids(cu_seqlens, n)
 
     def mask_mod(b, h, q_idx, kv_idx):
         return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
@@ -225,40 +181,9 @@ def _flex(q, k, v, cu_seqlens, log_f=None, scale=None):
     return out[0].transpose(0, 1)
 
 
-@dataclass
-class AcpStats:
-    """Kept and total causal tiles (within documents), summed over heads and calls on the device:
-    reading them is the only synchronisation, done when training logs a step."""
-
-    kept: torch.Tensor | None = None
-    total: torch.Tensor | None = None
-
-    def add(self, kept: torch.Tensor, total: torch.Tensor) -> None:
-        self.kept = kept if self.kept is None else self.kept + kept
-        self.total = total if self.total is None else self.total + total
-
-    def pruned_fraction(self, reset: bool = True) -> float | None:
-        """The fraction of causal tiles skipped since the last reset (None: no call yet)."""
-        if self.total is None:
-            return None
-        out = 1.0 - float(self.kept) / max(float(self.total), 1.0)
-        if reset:
-            self.kept = self.total = None
-        return out
-
-
-@dataclass
-class Acp:
-    """Adaptive Computation Pruning: skip tiles whose every entry carries under eps / L of its
-    row's attention (eps = e^-10 in the paper), so each row loses at most eps in total."""
-
-    eps: float = math.exp(-10)
-    stats: AcpStats = field(default_factory=AcpStats)
-
-
 def fox(q, k, v, cu_seqlens, log_f=None, scale=None, acp: Acp | None = None, logit_bound=None):
     """The Triton kernel, imported on first use: only this backend needs Triton."""
-    from .fox_kernel import fox_attention
+    from .fox.kernel import fox_attention
 
     return fox_attention(q, k, v, cu_seqlens, log_f, scale, acp=acp, logit_bound=logit_bound)
 
@@ -266,7 +191,7 @@ def fox(q, k, v, cu_seqlens, log_f=None, scale=None, acp: Acp | None = None, log
 def fox_pruned(q, k, v, cu_seqlens, log_f, *, eps: float, logit_bound=None):
     """The 'fox' kernel with ACP and no side effects (what compiled code calls): (out, [kept,
     total] causal tiles), the counts for the caller to add to its `AcpStats`."""
-    from .fox_kernel import attend
+    from .fox.kernel import attend
 
     return attend(q, k, v, cu_seqlens, log_f, acp_eps=eps, logit_bound=logit_bound)
 

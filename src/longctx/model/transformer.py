@@ -18,6 +18,7 @@ from torch import nn
 
 from . import attention, ulysses
 from .config import ModelConfig
+from .fox import Acp
 from .loss import chunked_cross_entropy
 from .recompute import MODES, Recompute, recomputed
 from .rope import cos_sin, depends_on_length, inverse_frequencies, rotate
@@ -224,7 +225,7 @@ class Transformer(nn.Module):
             raise ValueError(f"attention backend {attention_backend!r} is unknown (known: "
                              f"{sorted(attention.BACKENDS)} or 'auto')")
         self.attention_backend = attention_backend
-        self.acp: attention.Acp | None = None
+        self.acp: Acp | None = None
         """Adaptive Computation Pruning in FoX attention (the 'fox' backend); stats in acp.stats."""
         self.compiled_loss = False
         """The loss's per-chunk math through torch.compile (set with the compiled blocks, CUDA)."""

@@ -27,8 +27,8 @@ from tqdm import tqdm
 from ..config import TrainConfig
 from ..data.loader import PackedDataset
 from ..errors import LongctxError
-from ..model.attention import Acp
 from ..model.config import ModelConfig
+from ..model.fox import Acp
 from ..model.loss import IGNORE, shift_labels
 from ..model.transfer import to_device
 from ..model.transformer import Transformer

@@ -17,14 +17,15 @@ document inside a block) and an unmasked middle, so the common tile pays no mask
 
 from __future__ import annotations
 
-import math
 import os
 
 import torch
 import triton
 import triton.language as tl
 
-from .attention import INTERPRET, Acp, doc_cumsum
+from . import INTERPRET
+from .acp import Acp, thresholds
+from .reference import doc_cumsum
 
 TILE = 64
 LOG2E = 1.4426950408889634
@@ -301,22 +302,6 @@ def doc_bounds(cu_seqlens: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Te
             cu[1:].repeat_interleave(lengths, output_size=n).contiguous())
 
 
-def thresholds(q: torch.Tensor, k: torch.Tensor, scale: float, max_len: torch.Tensor, eps: float,
-               logit_bound: torch.Tensor | float | None) -> torch.Tensor:
-    """delta per head [H] (natural log units): -(2U + ln L) + ln eps, U a bound on |q.k| * scale:
-    given (from QK-norm gains), or max_t |q_t| * max_t |k_t| * scale per head."""
-    h, hk = q.shape[1], k.shape[1]
-    if logit_bound is None:
-        qn = q.float().norm(dim=-1).amax(0)
-        kn = k.float().norm(dim=-1).amax(0).repeat_interleave(h // hk)
-        u = qn * kn * scale
-    elif isinstance(logit_bound, torch.Tensor):
-        u = logit_bound.to(q.device, torch.float32).expand(h)
-    else:  # a number: filled on the device, since copying a host tensor over would synchronise
-        u = torch.full((h,), float(logit_bound), device=q.device)
-    return -(2 * u + max_len.float().log()) + math.log(eps)
-
-
 def bounds(lam2: torch.Tensor, delta: torch.Tensor | None, start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """kstart [H, NB] (first key tile per query tile) and qend [H, NB] (first query tile past each
     key tile), from Lambda in log2 units [H, N] and thresholds in natural units (None: no ACP)."""
@@ -331,7 +316,7 @@ def _bounds(lam2: torch.Tensor, delta2: torch.Tensor, start: torch.Tensor, acp: 
     nb = triton.cdiv(n, TILE)
     kstart = torch.empty(h, nb, dtype=torch.int32, device=lam2.device)
     qend = torch.empty_like(kstart)
-    _bounds_kernel[(h,)](lam2, delta2, start, kstart, qend, n, nb, ACP=acp, T=TILE)
+    _bounds_kernel[(h,)](LAM=lam2, DELTA=delta2, START=start, KSTART=kstart, QEND=qend, N=n, NB=nb, ACP=acp, T=TILE)
     return kstart, qend
 
 
@@ -367,8 +352,9 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam2: torch.Tens
     def grid(meta):
         return triton.cdiv(n, meta["BM"]), h
 
-    _fwd[grid](q, k, v, lam2, start, kstart, o, lse, n, kstart.shape[1], q.stride(0), k.stride(0), sm_scale * LOG2E,
-               n.bit_length(), GROUPS=h // k.shape[1], D=d, T=TILE, PREC=_precision(q))
+    _fwd[grid](Q=q, K=k, V=v, LAM=lam2, START=start, KSTART=kstart, OUT=o, LSE=lse, N=n, NB=kstart.shape[1],
+               sq=q.stride(0), sk=k.stride(0), scale=sm_scale * LOG2E, SIZE=n.bit_length(), GROUPS=h // k.shape[1],
+               D=d, T=TILE, PREC=_precision(q))
     return o, lse
 
 
@@ -396,8 +382,9 @@ def _backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     def kv_grid(meta):
         return triton.cdiv(n, meta["BN"]), hk
 
-    _dkdv[kv_grid](q, k, v, do, lam2, row, delta, start, end, qend, dk, dv, dlk, n, nb, q.stride(0),
-                   k.stride(0), scale, sm_scale, size, GROUPS=h // hk, D=d, T=TILE, PREC=_precision(q))
+    _dkdv[kv_grid](Q=q, K=k, V=v, DO=do, LAM=lam2, ROW=row, DELTA=delta, START=start, END=end, QEND=qend, DK=dk,
+                   DV=dv, DLK=dlk, N=n, NB=nb, sq=q.stride(0), sk=k.stride(0), scale=scale, sm_scale=sm_scale,
+                   SIZE=size, GROUPS=h // hk, D=d, T=TILE, PREC=_precision(q))
     # dq by its own pass over key tiles: measured faster at D = 128 than atomically adding dq
     # from this kernel (16K: 12.9 vs 14.4 ms; D = 64: 14.5 vs 13.9 ms)
     dq = torch.empty_like(q)
@@ -406,8 +393,9 @@ def _backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         return triton.cdiv(n, meta["BM"]), h
 
     dlq = torch.empty_like(dlk)
-    _dq[dq_grid](q, k, v, do, lam2, row, delta, start, kstart, dq, dlq, n, nb, q.stride(0), k.stride(0),
-                 scale, sm_scale, size, GROUPS=h // hk, D=d, T=TILE, PREC=_precision(q))
+    _dq[dq_grid](Q=q, K=k, V=v, DO=do, LAM=lam2, ROW=row, DELTA=delta, START=start, KSTART=kstart, DQ=dq, DLQ=dlq,
+                 N=n, NB=nb, sq=q.stride(0), sk=k.stride(0), scale=scale, sm_scale=sm_scale, SIZE=size,
+                 GROUPS=h // hk, D=d, T=TILE, PREC=_precision(q))
     # the logits hold Lambda_i - Lambda_j: dLambda = row sums - column sums of dS (natural
     # log units). The row sums vanish in exact arithmetic, but with them the rounding of the
     # bf16 output in delta cancels instead of piling up in the reverse cumsum to d log f
