@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 
 from longctx.data.tokenizer import TextTokenizer
-from longctx.perf import write_result
 from longctx.eval import suite
 from longctx.model.hf import save_hf
 from longctx.model.transformer import Transformer
+from longctx.perf import write_result
 from longctx.train.models import build, preset
 
 TASKS = ["niah_single_noise", "json_kv", "variable_tracking", "passkey"]

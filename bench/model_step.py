@@ -53,7 +53,7 @@ def main() -> None:
                 try:
                     run = prepared(preset("fox-125m", arch, tokens), par, compile=True, backend=backend)
                     batch = one_document(tokens, run.model.cfg.vocab_size, par.device)
-                    row.update(measure(run, lambda i: [batch], steps=5 if tokens > 4096 else 10))
+                    row.update(measure(run, lambda i, batch=batch: [batch], steps=5 if tokens > 4096 else 10))
                 except Exception as e:  # a backend that cannot run this shape is reported, not hidden
                     row["error"] = f"{type(e).__name__}: {e}"[:300]
                 run = None
@@ -71,7 +71,8 @@ def main() -> None:
     print(f"{'model':<6} {'backend':<11} {'tokens':>7} {'ms':>9} {'tokens/s':>10}")
     for r in rows:
         ms = f"{r['step_s'] * 1e3:.1f}" if "step_s" in r else "-"
-        print(f"{r['model']:<6} {r['backend']:<11} {r['tokens']:>7} {ms:>9} {r.get('tokens_per_s_per_gpu', r.get('error', '')):>10}")
+        rate = r.get("tokens_per_s_per_gpu", r.get("error", ""))
+        print(f"{r['model']:<6} {r['backend']:<11} {r['tokens']:>7} {ms:>9} {rate:>10}")
     print(f"peak memory of a 64K-token step: chunked loss {memory['chunked']} GiB, plain loss {memory['plain']} GiB")
     write_result(args.out, "model_step", {"rows": rows, "peak_memory_gib_64k": memory})
 

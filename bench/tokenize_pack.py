@@ -229,7 +229,8 @@ def main() -> None:
         p, c, o = r["peer"], r["peer_capped"], r["ours"]
         print(f"{r['text_mb']:>5}MB {o['tokens']:>11} {p['wall_s']:>8.1f} {c['wall_s']:>8.1f} {o['wall_s']:>8.1f} "
               f"{o['tokenize_s']:>7.1f} {o['pack_s']:>6.1f} {r['time_ratio']:>9.3f} {r['peer_tokens_per_s']:>11} "
-              f"{r['ours_tokens_per_s']:>11} {p['peak_rss_mb']:>8.0f} {c['peak_rss_mb']:>9.0f} {o['peak_rss_mb']:>8.0f} "
+              f"{r['ours_tokens_per_s']:>11} {p['peak_rss_mb']:>8.0f} {c['peak_rss_mb']:>9.0f} "
+              f"{o['peak_rss_mb']:>8.0f} "
               f"{r['rss_vs_first']:>9.3f}")
     worst = max(r["time_ratio"] for r in rows)
     growth = rows[-1]["rss_vs_first"]

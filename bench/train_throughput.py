@@ -56,7 +56,7 @@ def main() -> None:
             try:
                 run = prepared(cfg, par, compile=compile, recompute=recompute, acp=acp)
                 batch = one_document(tokens, cfg.vocab_size, par.device)
-                row.update(measure(run, lambda i: [batch], args.steps))
+                row.update(measure(run, lambda i, batch=batch: [batch], args.steps))
                 if args.profile and tokens == 16384:
                     row["profile"] = profile(run, [batch])
             except torch.OutOfMemoryError:
@@ -80,7 +80,8 @@ def main() -> None:
     print(f"{'shape':<5} {'model':<16} {'tokens':>6} {'mode':<14} {'attention':<9} {'ms/step':>8} {'tokens/s':>9} "
           f"{'MFU':>6} {'MFU/790':>7} {'GiB':>6} {'1st s':>6} {'graphs':>6}")
     for r in rows:
-        mode = ("compiled" if r["compile"] else "eager") + ("" if r["recompute"] == "none" else f"+{r['recompute'][0]}AC")
+        mode = "compiled" if r["compile"] else "eager"
+        mode += "" if r["recompute"] == "none" else f"+{r['recompute'][0]}AC"
         mode += "" if r["step_end"] == "device" else "/host"
         if "error" in r:
             print(f"{r['shape']:<5} {r['model']:<16} {r['tokens']:>6} {mode:<14} {r['attention']:<9} {r['error']}")

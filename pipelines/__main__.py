@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+from longctx.eval.report import length_means
+
 # without a Prefect server, the flow starts a temporary one; a loaded 2-core machine needs longer
 # than the default 20 s, and telemetry is of no use here
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
@@ -20,14 +22,11 @@ from .flows import pipeline  # noqa: E402
 
 def summary(ws: Path) -> str:
     ev = json.loads((ws / "metrics" / "eval.json").read_text())
-    lengths = sorted({int(n) for by_task in ev["tasks"].values() for by in by_task.values() for n in by})
+    lengths, means = length_means(ev["tasks"])
     head = ["checkpoint", *[f"tasks@{n}" for n in lengths], "ppl@longest", "needle ppl@longest", "short ppl"]
     rows = [head]
-    for ckpt, by_task in ev["tasks"].items():
-        cells = [ckpt]
-        for n in lengths:
-            vals = [by[str(n)] for by in by_task.values() if str(n) in by]
-            cells.append(f"{sum(vals) / len(vals):.3f}" if vals else "skipped")
+    for ckpt, by_length in means.items():
+        cells = [ckpt, *(f"{by_length[n]:.3f}" if n in by_length else "skipped" for n in lengths)]
         ppl, needle = ev["ppl_by_length"].get(ckpt, {}), ev["needle_ppl"].get(ckpt, {})
         top = max(ppl, key=int) if ppl else None
         cells += [f"{ppl[top]:.1f}" if top else "n/a", f"{needle[top]:.1f}" if top in needle else "n/a",

@@ -26,7 +26,9 @@ from prefect.concurrency.sync import concurrency
 from prefect.runtime import flow_run
 
 from longctx.config import load
+from longctx.eval.report import score_rows
 from longctx.tracking import PARENT_ENV, end_run, open_run, tag_children, tracking_uri
+
 
 def stages_of(workspace: Path) -> list[str]:
     """The DVC stages in the order dvc.yaml lists them (the order they depend on each other)."""
@@ -233,7 +235,7 @@ def sweep(workspace: str = ".", grid: dict[str, list] | None = None, jobs: int =
     for e in exps:
         values = [str(_lookup(e["params"], k)) for k in keys]
         ev = e["metrics"].get("metrics/eval.json", {}).get("tasks", {})
-        scores = [v for by in ev.values() for t in by.values() for v in t.values()]
+        scores = [r["score"] for r in score_rows(ev)]
         pre = e["metrics"].get("metrics/pretrain.json", {})
         val = [v.get("val_loss") for v in pre.values() if isinstance(v, dict)]
         lines.append(f"| {e['name']} | " + " | ".join(values) +

@@ -23,7 +23,7 @@ def run(cfg: Config, root: Path) -> None:
                     "replaced_chars": m["replaced_chars"]} for d, m in manifest["domains"].items()}
         print(format_table(rows, ["kind", "docs", "MB", "replaced_chars"]))
         for d, m in manifest["domains"].items():
-            tracker.metrics({f"{d}.docs": m["docs"], f"{d}.bytes": m["bytes"], f"{d}.replaced_chars": m["replaced_chars"]})
+            tracker.metrics({f"{d}.{k}": m[k] for k in ("docs", "bytes", "replaced_chars")})
         total = sum(m["bytes"] for m in manifest["domains"].values())
         tracker.metrics({"seconds": manifest["seconds"], "bytes_per_s": total / max(manifest["seconds"], 1e-9)})
         tracker.artifact(CORPORA / "manifest.json")

@@ -24,7 +24,8 @@ def run(cfg: Config, root: Path) -> None:
     domains = {d: spec.kind for d, spec in cfg.corpora.domains.items()}
     with stage_run(cfg.tracking, root, "tokenize", flat(tcfg, "tokenize")) as tracker:
         with atomic_dir(TOKENS) as tmp:
-            sample = training_text(CORPORA, domains, tcfg.tokenizer.train.sample_bytes) if tcfg.tokenizer.train else None
+            train = tcfg.tokenizer.train
+            sample = training_text(CORPORA, domains, train.sample_bytes) if train else None
             tok = TextTokenizer.from_spec(tcfg.tokenizer, sample)
             tok.save(tmp / "tokenizer")
             report, lengths = tokenize_domains(tcfg, domains, CORPORA, tmp, tok)

@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import save_file
 
 from longctx.data.loader import PackedDataset
-from longctx.model.config import FoxConfig, ModelConfig, RopeConfig
 from longctx.model import ulysses
+from longctx.model.config import FoxConfig, ModelConfig, RopeConfig
 from longctx.model.transformer import Transformer
 from longctx.train import parallel
 from longctx.train.loop import TrainConfig, attention_cost, make_batch, schedule, train

@@ -6,9 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from longctx.model.config import FoxConfig, ModelConfig
+from longctx.model.config import FoxConfig, ModelConfig, RopeConfig
 from longctx.model.decode import generate
-from longctx.model.config import RopeConfig
 from longctx.model.transformer import Transformer
 
 BASE = dict(vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_position_embeddings=32)

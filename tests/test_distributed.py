@@ -94,7 +94,8 @@ def test_batch_is_padded_for_sequence_parallelism(small_project):
     assert b.ids.numel() % 3 == 0 and b.ids.numel() - n == -n % 3
     assert int(b.cu_seqlens[-1]) == b.ids.numel()
     assert (b.labels[n:] == IGNORE).all()
-    assert attention_cost(data, 0) == int(((data[0].cu_seqlens[1:] - data[0].cu_seqlens[:-1]).astype("int64") ** 2).sum())
+    lengths = (data[0].cu_seqlens[1:] - data[0].cu_seqlens[:-1]).astype("int64")
+    assert attention_cost(data, 0) == int((lengths**2).sum())
 
 
 def test_base_stage_launches_itself_on_two_processes(project_copy):
@@ -105,7 +106,8 @@ def test_base_stage_launches_itself_on_two_processes(project_copy):
     two = {**params, "train": {**SMALL["train"], "base": base, "nproc": 2}}
     refused = stage_process(project_copy, "base", two)
     assert refused.returncode != 0
-    assert "train.base.grad_accum: 3 micro-batches per step do not divide over 2 data-parallel replicas" in refused.stderr
+    assert ("train.base.grad_accum: 3 micro-batches per step do not divide over 2 data-parallel replicas"
+            in refused.stderr)
     assert "processes" not in refused.stderr  # refused before starting any
     assert not (project_copy / "models/base").exists()
 

@@ -38,7 +38,8 @@ def passages(rng, n, answer):
 def test_icl_relabels_and_balances(enc, tmp_path):
     rows = [{"sentence": f"question about {w} number {i}", "coarse_label": i % 6} for i, w in
             enumerate(WORDS * 10)]
-    src = helmet.Source("icl", jsonl(tmp_path / "trec.jsonl", rows), fields={"text": "sentence", "label": "coarse_label"})
+    src = helmet.Source("icl", jsonl(tmp_path / "trec.jsonl", rows),
+                        fields={"text": "sentence", "label": "coarse_label"})
     loaded = helmet.load_rows(src, limit=100)
     assert len(loaded) == 100 and {"text", "label"} <= set(loaded[0])
     p = helmet.build(src, loaded, tasks.Budget(enc.count, 1024), np.random.default_rng(0), 0.5, "trec")

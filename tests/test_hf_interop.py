@@ -9,9 +9,8 @@ import pytest
 import torch
 
 from longctx.errors import DataError
-from longctx.model.config import FoxConfig, ModelConfig
+from longctx.model.config import FoxConfig, ModelConfig, RopeConfig
 from longctx.model.hf import load_hf, load_native, save_hf, save_native
-from longctx.model.config import RopeConfig
 from longctx.model.transformer import Transformer
 
 ROPES = {

@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+
 from conftest import REPO
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")

@@ -8,10 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from longctx.model import attention
-from longctx.model.config import FoxConfig, ModelConfig
+from longctx.model.config import FoxConfig, ModelConfig, RopeConfig
 from longctx.model.fox import doc_cumsum
 from longctx.model.loss import IGNORE, chunked_cross_entropy, shift_labels
-from longctx.model.config import RopeConfig
 from longctx.model.transformer import Transformer
 
 
@@ -186,7 +185,7 @@ def test_doc_cumsum_restarts_at_every_document_with_its_gradient():
     log_f = F.logsigmoid(torch.randn(40, 3, dtype=torch.float64)).requires_grad_(True)
     cu = torch.tensor([0, 7, 8, 30, 40], dtype=torch.int32)
     lam = doc_cumsum(log_f, cu)
-    want = torch.cat([log_f[a:b].cumsum(0) for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())])
+    want = torch.cat([log_f[a:b].cumsum(0) for a, b in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)])
     torch.testing.assert_close(lam, want)
     g = torch.randn_like(want)
     torch.testing.assert_close(torch.autograd.grad(lam, log_f, g)[0], torch.autograd.grad(want, log_f, g)[0])

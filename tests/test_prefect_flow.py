@@ -26,7 +26,8 @@ def harness():
 
 
 def children(client: MlflowClient, parent) -> dict[str, str]:
-    runs = client.search_runs([parent.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+    query = f"tags.mlflow.parentRunId = '{parent.info.run_id}'"
+    runs = client.search_runs([parent.info.experiment_id], filter_string=query)
     return {r.info.run_name: r.info.status for r in runs}
 
 

@@ -161,7 +161,8 @@ def test_stage_refuses_bad_input(project_copy):
 
     short = stage_process(project_copy, "rope_search", {**params, "rope_search": {"target_length": 256,
                                                                                   "original_window": 512}})
-    assert short.returncode == 2 and "rope_search.target_length: 256 must exceed the original window 512" in short.stderr
+    assert short.returncode == 2
+    assert "rope_search.target_length: 256 must exceed the original window 512" in short.stderr
 
     wrong = project_copy / "factors.json"
     wrong.write_text(json.dumps({"long_factor": [2.0, 2.0, 2.0], "original_max_position_embeddings": 256}))

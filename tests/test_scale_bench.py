@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+
 from conftest import REPO
 
 ARGS = ["bench/scale.py", "--shape", "tiny", "--fsdp-seq", "1024", "--sp-seq", "2048", "--steps", "1",

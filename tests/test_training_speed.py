@@ -12,12 +12,12 @@ import torch
 from longctx import config
 from longctx.config import ModelParams
 from longctx.errors import ConfigError
-from longctx.model.fox import Acp
 from longctx.model.config import PRESETS, FoxConfig, ModelConfig, RopeConfig
+from longctx.model.fox import Acp
 from longctx.model.loss import chunked_cross_entropy, shift_labels
+from longctx.model.transformer import Transformer
 from longctx.train.compiled import compile_blocks, graphs_compiled
 from longctx.train.models import base_model, build, preset, with_positions
-from longctx.model.transformer import Transformer
 from longctx.train.parallel import Parallel, shard
 
 PARAMS = {"llama3-8b": 8.03e9, "fox-760m": 0.83e9, "fox-125m": 0.16e9}  # with embeddings; FoX adds its gates

@@ -17,8 +17,7 @@ import torch
 from .config import TrainConfig
 from .model.config import ModelConfig
 from .train.compiled import graphs_compiled
-from .train.loop import (MATMUL_BF16_FLOPS, Batch, flop_params, packed_batch, peak_flops, prepare, step_flops,
-                         train_step)
+from .train.loop import MATMUL_BF16_FLOPS, Batch, flop_params, packed_batch, peak_flops, prepare, step_flops, train_step
 from .train.models import build
 from .train.optim import adamw
 from .train.parallel import Parallel
@@ -120,7 +119,8 @@ def profile(run: Run, micro: list[Batch]) -> dict:
     import warnings
     from collections import Counter
 
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
 
     torch.cuda.set_sync_debug_mode("warn")
     try:

@@ -82,7 +82,7 @@ def repos(seed: int, site_packages: bool = False) -> Iterator[tuple[str, str]]:
             yield f"stdlib_repos:{pkg.name}", "".join(parts)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def docstrings(path: Path, module: str) -> tuple[Docstring, ...]:
     """Module, class and function docstrings of one source file, in file order (parsed once:
     books, short data and SFT all read them)."""

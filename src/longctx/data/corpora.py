@@ -112,7 +112,8 @@ def build(cfg: CorporaConfig, out: Path) -> dict:
     return manifest
 
 
-def read_docs(path: Path, kind: str, batch_rows: int = 256, batch_bytes: int = 4 << 20) -> Iterator[tuple[list[str], list]]:
+def read_docs(path: Path, kind: str, batch_rows: int = 256,
+              batch_bytes: int = 4 << 20) -> Iterator[tuple[list[str], list]]:
     """(ids, texts or message lists) from a domain's parquet file, in batches of at most
     `batch_rows` documents and, past the first document, `batch_bytes` of text, so a batch of
     long documents stays as small in memory as a batch of short ones."""

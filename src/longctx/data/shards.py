@@ -126,7 +126,8 @@ class ShardReader:
     def _read(self, kind: str, dtype: np.dtype, doc: int, start: int, stop: int) -> np.ndarray:
         rec = self.docs[doc]
         n = stop - start
-        buf = os.pread(self._fd(kind, int(rec["shard"])), n * dtype.itemsize, (int(rec["offset"]) + start) * dtype.itemsize)
+        offset = (int(rec["offset"]) + start) * dtype.itemsize
+        buf = os.pread(self._fd(kind, int(rec["shard"])), n * dtype.itemsize, offset)
         if len(buf) != n * dtype.itemsize:
             raise DataError(f"{self.folder}: short read in {kind} shard {int(rec['shard'])}; rerun tokenize")
         return np.frombuffer(buf, dtype=dtype)

@@ -15,12 +15,12 @@ names are HELMET's processed files' and can be remapped per dataset.
 
 from __future__ import annotations
 
-import math
-import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..config import EvalConfig
 from ..errors import DataError
 from .tasks import Budget, Prompt
 
@@ -123,39 +123,6 @@ def narrative(row: dict, budget: Budget, kind: str, name: str) -> Prompt:
                   64 if kind == "narrativeqa" else 400, {"not_computed": JUDGED[kind]})
 
 
-# ---------------------------------------------------------------- metrics
-
-
-def ndcg10(prompt: Prompt, output: str) -> float:
-    """NDCG@10 of the ranking in the output ("[ID] > [ID] ..."), relevance from the gold labels."""
-    rel = {g.rsplit(":", 1)[0]: int(g.rsplit(":", 1)[1]) for g in prompt.gold}
-    ranked = [i for i in dict.fromkeys(re.findall(r"[\w-]+", output)) if i in rel][:10]
-    dcg = sum(rel[i] / math.log2(k + 2) for k, i in enumerate(ranked))
-    ideal = sum(r / math.log2(k + 2) for k, r in enumerate(sorted(rel.values(), reverse=True)[:10]))
-    return dcg / ideal if ideal else 0.0
-
-
-def rouge_l(prompt: Prompt, output: str) -> float:
-    """Best ROUGE-L F1 (longest common subsequence of lower-cased words) over the references."""
-    out = output.lower().split()
-    best = 0.0
-    for ref in prompt.gold:
-        r = ref.lower().split()
-        if not r or not out:
-            continue
-        prev = [0] * (len(r) + 1)
-        for w in out:
-            cur = [0]
-            for j, x in enumerate(r):
-                cur.append(prev[j] + 1 if w == x else max(prev[j + 1], cur[j]))
-            prev = cur
-        lcs = prev[-1]
-        if lcs:
-            p, rc = lcs / len(out), lcs / len(r)
-            best = max(best, 2 * p * rc / (p + rc))
-    return best
-
-
 def build(src: Source, rows: list[dict], budget: Budget, rng: np.random.Generator, depth: float,
           name: str) -> Prompt:
     if src.kind == "icl":
@@ -168,3 +135,24 @@ def build(src: Source, rows: list[dict], budget: Budget, rng: np.random.Generato
     if src.kind in ("narrativeqa", "summ"):
         return narrative(row, budget, src.kind, name)
     raise ValueError(f"unknown HELMET kind {src.kind!r} (known: {KINDS})")
+
+
+def prompts(results: dict, name: str, count: Callable[[str], int], ec: EvalConfig, lengths: list[int]) -> list[Prompt]:
+    """HELMET dataset prompts for checkpoint `name`; a dataset that cannot be loaded is skipped
+    with the reason (in results), so one missing download does not stop the evaluation."""
+    out = []
+    for ds_name, spec in ec.helmet.items():
+        src = Source(spec.kind, spec.path, spec.split, dict(spec.fields))
+        try:
+            rows = load_rows(src, spec.limit)
+        except DataError as e:
+            results["skipped"].append({"checkpoint": name, "task": f"helmet:{ds_name}", "reason": str(e)[:300]})
+            continue
+        for length in lengths:
+            for i in range(ec.samples):
+                rng = np.random.default_rng([ec.seed, length, i, len(ds_name)])
+                out.append(build(src, rows, Budget(count, length, reserve=24), rng, ec.depths[i % len(ec.depths)],
+                                 ds_name))
+        if spec.kind in JUDGED:
+            results["not_computed"][f"helmet:{ds_name}"] = JUDGED[spec.kind]
+    return out

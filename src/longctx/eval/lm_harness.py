@@ -8,6 +8,7 @@ import torch
 from lm_eval.api.model import LM
 from tqdm import tqdm
 
+from ..config import EvalConfig
 from ..data.tokenizer import TextTokenizer
 from ..model.decode import generate
 from ..model.transformer import Transformer
@@ -92,3 +93,15 @@ def evaluate(model: Transformer, tok: TextTokenizer, task_names: list[str], incl
                              log_samples=False)
     return {name: {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
             for name, metrics in result["results"].items()}
+
+
+def retention(results: dict, name: str, model: Transformer, tok: TextTokenizer, ec: EvalConfig) -> None:
+    """Short-context retention of checkpoint `name` through lm-eval-harness; a task whose data
+    cannot be had is reported as skipped with the reason, never as a score."""
+    results.setdefault("lm_eval", {})[name] = {}
+    for task in ec.lm_eval_tasks:
+        try:
+            results["lm_eval"][name] |= evaluate(model, tok, [task], limit=ec.lm_eval_limit)
+        except Exception as e:  # lm-eval raises many kinds (missing dataset, no network, bad task name)
+            results["skipped"].append({"checkpoint": name, "task": f"lm_eval:{task}",
+                                       "reason": f"{type(e).__name__}: {e}"[:300]})

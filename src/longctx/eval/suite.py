@@ -7,16 +7,22 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
+from ..config import EvalConfig
+from ..data.loader import PackedDataset
 from ..data.tokenizer import TextTokenizer
+from ..errors import ConfigError, DataError
 from ..model.decode import generate
+from ..model.hf import native_config
 from ..model.loss import IGNORE
 from ..model.transformer import Transformer
-from . import tasks
+from . import helmet, lm_harness, needle, tasks
+from .report import mean_scores
 
 
 @dataclass(frozen=True)
@@ -145,3 +151,79 @@ def mean_loss(model: Transformer, docs: list[np.ndarray], masks: list[np.ndarray
             total += float(model(ids, labels=labels))
         count += int((labels != IGNORE).sum())
     return total / max(count, 1)
+
+
+def windows(folders: dict[str, Path], tok: TextTokenizer, tok_folder: Path,
+            lengths: list[int]) -> dict[str, int | None]:
+    """Each checkpoint's context window (None: no RoPE, no limit), read from its config so that
+    a checkpoint the tokenizer does not fit, or eval lengths no checkpoint holds, stop the
+    evaluation before any checkpoint is evaluated."""
+    out = {}
+    for name, folder in folders.items():
+        mcfg = native_config(folder)
+        if tok.vocab_size > mcfg.vocab_size:
+            raise DataError(f"{tok_folder}: {tok.vocab_size} tokens but checkpoint {folder} has a "
+                            f"vocabulary of {mcfg.vocab_size}: the tokenizer does not match the checkpoint")
+        out[name] = mcfg.max_position_embeddings if mcfg.rope is not None else None
+    longest = max(w or 10**9 for w in out.values())
+    too_long = [n for n in lengths if n > longest]
+    if too_long:
+        raise ConfigError(f"eval.lengths: {too_long} exceed every checkpoint's window (the longest is {longest})")
+    return out
+
+
+def perplexities(results: dict, name: str, model: Transformer, data: PackedDataset, tok: TextTokenizer,
+                 ec: EvalConfig) -> list[dict]:
+    """Per-position loss at the longest length documents reach, perplexity and needle perplexity
+    at every eval length documents reach (inside and beyond the training window), into `results`
+    under `name`; returns the smoothed per-position loss as rows (a CSV and a plot)."""
+    reach = [n for n in sorted(set(ec.lengths) | {data.seq_len}) if n <= data.seq_len]
+    docs_at = {n: needle.long_documents(data, n)[:ec.position_sequences] for n in reach}
+    reach = [n for n in reach if docs_at[n]]
+    if not reach:
+        results["skipped"].append({"checkpoint": name, "task": "perplexity", "reason": "no long validation documents"})
+        return []
+    top = reach[-1]
+    losses = position_loss(model, [data[i].input_ids[:top] for i in docs_at[top]])
+    curve = [{"checkpoint": name, "position": pos, "loss": value} for pos, value in zip(*smooth(losses), strict=True)]
+    results["position_loss"][name] = {"positions": top, "mean": float(losses.mean())}
+    results["ppl_by_length"][name] = {
+        n: needle.perplexity(mean_loss(model, [data[i].input_ids[:n] for i in docs_at[n]])) for n in reach}
+    results["needle_ppl"][name] = {}
+    for n in reach:
+        try:
+            seqs = needle.sequences(data, tok, n, min(ec.needle_sequences, len(docs_at[n])), 0.05, ec.seed)
+        except DataError as e:
+            results["skipped"].append({"checkpoint": name, "task": "needle_ppl", "length": n, "reason": str(e)})
+            continue
+        results["needle_ppl"][name][n] = needle.perplexity(needle.needle_nll(model, seqs))
+    return curve
+
+
+def evaluate(results: dict, name: str, model: Transformer, folder: Path, enc: Encoder, ec: EvalConfig,
+             data: PackedDataset, haystack: str, window: int | None,
+             short: PackedDataset | None) -> tuple[list[dict], list[dict]]:
+    """Everything measured on one checkpoint, into `results` under `name`: the task prompts at the
+    lengths its window (None: any) holds, the others skipped with the reason; perplexities on the
+    long documents of `data`; lm-eval tasks; perplexity on the short sequences of `short`.
+    Returns the scored prompt rows and the per-position loss rows."""
+    lengths = [n for n in ec.lengths if window is None or n <= window]
+    for n in sorted(set(ec.lengths) - set(lengths)):
+        results["skipped"].append({"checkpoint": name, "length": n,
+                                   "reason": f"beyond the checkpoint's window {window}"})
+    prompts = build_prompts(enc, ec.tasks, lengths, ec.samples, ec.depths, ec.seed, haystack)
+    prompts += helmet.prompts(results, name, enc.count, ec, lengths)
+    answer = (hf_answerer(folder / "hf", enc.eos()) if ec.backend == "transformers"
+              else our_answerer(model, enc.eos()))
+    rows, speed = run_tasks(answer, enc, prompts, f"eval {name}")
+    for r in rows:
+        r["checkpoint"] = name
+    results["tasks"][name] = mean_scores(rows)
+    results["throughput"][name] = speed
+    curve = perplexities(results, name, model, data, enc.tok, ec)
+    if ec.lm_eval_tasks:
+        lm_harness.retention(results, name, model, enc.tok, ec)
+    if short is not None:
+        seqs = [short[i] for i in range(min(ec.retention_sequences, len(short)))]
+        results["retention_ppl"][name] = needle.perplexity(mean_loss(model, [s.input_ids for s in seqs]))
+    return rows, curve

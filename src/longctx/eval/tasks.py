@@ -1,12 +1,9 @@
 """Seeded, offline long-context tasks in the RULER / HELMET formats, built at a token length.
 
 Every task returns `Prompt`s: a long context, a question after it, the text the answer starts
-with, the gold answers and the metric of its source:
-  substring  the (single) gold string appears in the output (HELMET's substring exact match)
-  all        the fraction of gold strings that appear in the output (RULER's string_match_all;
-             1.0 means all gold present)
-  accuracy   the output's first integer equals the gold label (HELMET ICL)
-  any        any gold string appears (HELMET RAG); ndcg10 and rouge_l: see helmet.py
+with, the gold answers and the metric of its source (metrics.py). `BUILDERS` is the one list of
+tasks; config.py names them in `EvalConfig.TASKS` (it imports no eval code) and this module
+checks on import that the two agree.
 Lengths are in tokens of the evaluated model's tokenizer: the filler (noise sentences, real
 validation text, JSON pairs, list words, demonstrations) grows until the prompt reaches it.
 """
@@ -20,6 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from ..config import EvalConfig
+from .metrics import METRICS
 
 NOISE = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ")
 WORDS = ["amber", "basin", "cedar", "delta", "ember", "fable", "garnet", "harbor", "iris", "jasper", "kelp",
@@ -47,18 +47,7 @@ class Prompt:
 
 
 def score(prompt: Prompt, output: str) -> float:
-    if prompt.metric == "substring":
-        return float(prompt.gold[0] in output)
-    if prompt.metric == "any":
-        return float(any(g in output for g in prompt.gold))
-    if prompt.metric == "all":
-        return sum(g in output for g in prompt.gold) / len(prompt.gold)
-    if prompt.metric == "accuracy":
-        found = re.search(r"-?\d+", output)
-        return float(found is not None and found.group() == prompt.gold[0])
-    from .helmet import ndcg10, rouge_l
-
-    return {"ndcg10": ndcg10, "rouge_l": rouge_l}[prompt.metric](prompt, output)
+    return METRICS[prompt.metric](prompt.gold, output)
 
 
 # ---------------------------------------------------------------- filling to a token length
@@ -269,32 +258,29 @@ def icl(budget: Budget, rng: np.random.Generator) -> Prompt:
                   [str(ids[names.index(test_topic)])], "accuracy", max_new_tokens=4, meta={"shots": len(shots)})
 
 
-TASKS = ("niah_single_noise", "niah_single_text", "niah_multikey", "niah_multivalue", "niah_multiquery",
-         "variable_tracking", "common_words", "frequent_words", "passkey", "json_kv", "icl")
+Builder = Callable[[Budget, np.random.Generator, float, str], Prompt]
+"""(budget, rng, depth, a haystack of real text) -> one prompt at budget.length tokens."""
+
+BUILDERS: dict[str, Builder] = {
+    "niah_single_noise": lambda b, rng, d, text: niah(b, rng, d, NOISE, name="niah_single_noise"),
+    "niah_single_text": lambda b, rng, d, text: niah(b, rng, d, text, name="niah_single_text"),
+    "niah_multikey": lambda b, rng, d, text: niah(b, rng, d, text, keys=1, distractors=3, name="niah_multikey"),
+    "niah_multivalue": lambda b, rng, d, text: niah(b, rng, d, text, values=4, name="niah_multivalue"),
+    "niah_multiquery": lambda b, rng, d, text: niah(b, rng, d, text, queries=4, name="niah_multiquery"),
+    "variable_tracking": lambda b, rng, d, text: variable_tracking(b, rng),
+    "common_words": lambda b, rng, d, text: common_words(b, rng),
+    "frequent_words": lambda b, rng, d, text: frequent_words(b, rng),
+    "passkey": lambda b, rng, d, text: passkey(b, rng, d),
+    "json_kv": lambda b, rng, d, text: json_kv(b, rng, d),
+    "icl": lambda b, rng, d, text: icl(b, rng),
+}
+TASKS = tuple(BUILDERS)
+"""In this order: a task's index seeds its prompts."""
+assert TASKS == EvalConfig.TASKS, f"eval.tasks builds {TASKS}, config's EvalConfig.TASKS lists {EvalConfig.TASKS}"
 
 
 def build(task: str, budget: Budget, rng: np.random.Generator, depth: float, text_haystack: str) -> Prompt:
     """One prompt of a task at budget.length tokens."""
-    if task == "niah_single_noise":
-        return niah(budget, rng, depth, NOISE, name=task)
-    if task == "niah_single_text":
-        return niah(budget, rng, depth, text_haystack, name=task)
-    if task == "niah_multikey":
-        return niah(budget, rng, depth, text_haystack, keys=1, distractors=3, name=task)
-    if task == "niah_multivalue":
-        return niah(budget, rng, depth, text_haystack, values=4, name=task)
-    if task == "niah_multiquery":
-        return niah(budget, rng, depth, text_haystack, queries=4, name=task)
-    if task == "variable_tracking":
-        return variable_tracking(budget, rng)
-    if task == "common_words":
-        return common_words(budget, rng)
-    if task == "frequent_words":
-        return frequent_words(budget, rng)
-    if task == "passkey":
-        return passkey(budget, rng, depth)
-    if task == "json_kv":
-        return json_kv(budget, rng, depth)
-    if task == "icl":
-        return icl(budget, rng)
-    raise ValueError(f"unknown task {task!r} (known: {TASKS})")
+    if task not in BUILDERS:
+        raise ValueError(f"unknown task {task!r} (known: {TASKS})")
+    return BUILDERS[task](budget, rng, depth, text_haystack)

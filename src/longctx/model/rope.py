@@ -23,6 +23,7 @@ import torch
 from .config import RopeConfig
 from .transfer import to_device
 
+
 def _base_exponents(dim: int) -> torch.Tensor:
     return torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
 

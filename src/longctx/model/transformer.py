@@ -291,9 +291,10 @@ class Transformer(nn.Module):
                position_ids: torch.Tensor | None = None, cache=None, sp_group=None) -> torch.Tensor:
         """Final hidden states [N, d_model] for packed ids [N] (or a batch [B, T], flattened).
         `cu_seqlens` may be on the host (a list, or a CPU tensor where no FSDP root moves it):
-        backends that size kernels or route documents by length then read it there, with no sync. With a `decode.Cache`, ids continue the single
-        document the cache holds. With a sequence-parallel group, every rank passes the whole
-        micro-batch and gets the hidden states of its own slice, `ulysses.bounds(N, sp_group)`."""
+        backends that size kernels or route documents by length then read it there, with no sync.
+        With a `decode.Cache`, ids continue the single document the cache holds. With a
+        sequence-parallel group, every rank passes the whole micro-batch and gets the hidden
+        states of its own slice, `ulysses.bounds(N, sp_group)`."""
         ids = input_ids.reshape(-1)
         n, device = ids.numel(), ids.device
         if cache is not None:

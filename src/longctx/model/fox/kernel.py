@@ -311,7 +311,8 @@ def bounds(lam2: torch.Tensor, delta: torch.Tensor | None, start: torch.Tensor) 
 
 
 @torch.library.custom_op("longctx::fox_bounds", mutates_args=())
-def _bounds(lam2: torch.Tensor, delta2: torch.Tensor, start: torch.Tensor, acp: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _bounds(lam2: torch.Tensor, delta2: torch.Tensor, start: torch.Tensor,
+            acp: bool) -> tuple[torch.Tensor, torch.Tensor]:
     h, n = lam2.shape
     nb = triton.cdiv(n, TILE)
     kstart = torch.empty(h, nb, dtype=torch.int32, device=lam2.device)

@@ -19,7 +19,8 @@ def doc_cumsum(log_f: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     total = log_f.cumsum(-1)
     starts = cu_seqlens[1:-1].long()
     before = total[:, starts - 1]  # everything before each later document's start
-    jumps = torch.zeros_like(total).index_add_(1, starts, torch.diff(before, dim=-1, prepend=torch.zeros_like(before[:, :1])))
+    steps = torch.diff(before, dim=-1, prepend=torch.zeros_like(before[:, :1]))
+    jumps = torch.zeros_like(total).index_add_(1, starts, steps)
     return (total - jumps.cumsum(-1)).T
 
 

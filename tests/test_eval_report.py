@@ -1,0 +1,168 @@
+"""The eval library the eval stage calls, on the small project's real data and a small model: what
+each measurement of a checkpoint puts into the results, what it skips and why, and the score
+tables read back from them (in memory and from metrics/eval.json)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from longctx.config import EvalConfig
+from longctx.data.loader import PackedDataset
+from longctx.data.tokenizer import TextTokenizer
+from longctx.errors import ConfigError, DataError
+from longctx.eval import helmet, lm_harness, needle, report, suite
+from longctx.model.config import ModelConfig, RopeConfig
+from longctx.model.hf import save_native
+from longctx.model.transformer import Transformer
+
+TOKENIZER = "data/tokens/tokenizer"
+
+
+def small_model(window: int = 256, vocab: int = 1024, rope: bool = True) -> Transformer:
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=vocab, d_model=64, n_layers=2, n_heads=4, ffn_dim=128, max_position_embeddings=window,
+                      rope=RopeConfig(theta=10000.0) if rope else None)
+    return Transformer(cfg, attention_backend="sdpa").eval()
+
+
+@pytest.fixture(scope="module")
+def tok(small_project) -> TextTokenizer:
+    return TextTokenizer.load(small_project / TOKENIZER)
+
+
+@pytest.fixture(scope="module")
+def long_val(small_project) -> PackedDataset:
+    return PackedDataset(small_project / "data/packed/stage2/val")  # 2048-token sequences
+
+
+def test_score_tables_read_memory_and_json_alike():
+    tasks = {"base": {"passkey": {256: 1.0, 512: 0.5}, "icl": {256: 0.0, 512: 0.25}},
+             "sft": {"passkey": {256: 0.75}, "icl": {256: 0.25}}}
+    from_json = json.loads(json.dumps(tasks))  # lengths become strings
+    rows = report.score_rows(tasks)
+    assert len(rows) == 6 and rows[1] == {"checkpoint": "base", "task": "passkey", "length": 512, "score": 0.5}
+    assert report.score_rows(from_json) == rows
+    assert report.length_means(from_json) == report.length_means(tasks) == (
+        [256, 512], {"base": {256: 0.5, 512: 0.375}, "sft": {256: 0.5}})
+    results = {**report.empty_results(), "tasks": tasks, "retention_ppl": {"base": 12.5},
+               "throughput": {"base": {"prompts_per_s": 2.0}, "sft": {"prompts_per_s": 0.5}}}
+    assert report.comparison(results).splitlines() == [
+        "| checkpoint | tasks@256 | tasks@512 | retention ppl | prompts/s |", "|---|---|---|---|---|",
+        "| base | 0.500 | 0.375 | 12.50 | 2.00 |", "| sft | 0.500 | skipped | n/a | 0.50 |"]
+
+
+def test_mean_scores_average_the_prompts_of_a_task_at_a_length():
+    rows = [{"task": "passkey", "length": 256, "score": 1.0}, {"task": "passkey", "length": 256, "score": 0.0},
+            {"task": "passkey", "length": 512, "score": 1.0}, {"task": "icl", "length": 256, "score": 0.5}]
+    assert report.mean_scores(rows) == {"passkey": {256: 0.5, 512: 1.0}, "icl": {256: 0.5}}
+
+
+def test_windows_refuse_bad_checkpoints_and_lengths(small_project, tok, tmp_path):
+    for name, m in {"short": small_model(256), "long": small_model(512), "nope": small_model(rope=False),
+                    "small_vocab": small_model(vocab=64)}.items():
+        save_native(m, tmp_path / name)
+    folders = {n: tmp_path / n for n in ("short", "long")}
+    tok_folder = small_project / TOKENIZER
+    assert suite.windows(folders, tok, tok_folder, [256, 512]) == {"short": 256, "long": 512}
+    assert suite.windows({"nope": tmp_path / "nope"}, tok, tok_folder, [4096]) == {"nope": None}  # no RoPE, no limit
+    with pytest.raises(ConfigError,
+                       match=r"eval.lengths: \[1024\] exceed every checkpoint's window \(the longest is 512"):
+        suite.windows(folders, tok, tok_folder, [256, 1024])
+    with pytest.raises(DataError, match=r"1024 tokens but checkpoint .*small_vocab has a vocabulary of 64"):
+        suite.windows({**folders, "small_vocab": tmp_path / "small_vocab"}, tok, tok_folder, [256])
+
+
+def test_perplexities_at_every_length_documents_reach(small_project, tok, long_val):
+    model = small_model(256)
+    results = report.empty_results()
+    curve = suite.perplexities(results, "m", model, long_val, tok,
+                               EvalConfig(lengths=[32, 256, 4096], position_sequences=2, needle_sequences=2))
+    assert list(results["ppl_by_length"]["m"]) == [32, 256, 2048]  # 4096: no document that long; 2048: packed length
+    docs = [torch.from_numpy(long_val[i].input_ids[:256].astype(np.int64))
+            for i in needle.long_documents(long_val, 256)[:2]]
+    with torch.no_grad():
+        nll = sum(torch.nn.functional.cross_entropy(model(d)[:-1], d[1:], reduction="sum") for d in docs) / (2 * 255)
+    assert results["ppl_by_length"]["m"][256] == pytest.approx(math.exp(float(nll)), rel=1e-4)
+    assert results["position_loss"]["m"]["positions"] == 2048
+    positions = [r["position"] for r in curve]
+    assert positions == sorted(positions) and positions[-1] == 2047  # 2047 next-token losses in 2048 tokens
+    assert {r["checkpoint"] for r in curve} == {"m"}
+    assert np.mean([r["loss"] for r in curve]) == pytest.approx(results["position_loss"]["m"]["mean"], rel=0.02)
+    assert set(results["needle_ppl"]["m"]) == {256, 2048}  # a needle and its question do not fit in 32 tokens
+    [skip] = results["skipped"]
+    assert skip["task"] == "needle_ppl" and skip["length"] == 32 and "need a document" in skip["reason"]
+
+    chats = PackedDataset(small_project / "data/packed/sft/val")  # no 512-token document starts a sequence
+    results = report.empty_results()
+    assert suite.perplexities(results, "m", model, chats, tok, EvalConfig(lengths=[512])) == []
+    assert results["skipped"] == [{"checkpoint": "m", "task": "perplexity", "reason": "no long validation documents"}]
+    assert results["ppl_by_length"] == results["needle_ppl"] == results["position_loss"] == {}
+
+
+def test_helmet_prompts_skip_a_dataset_that_cannot_be_loaded(tok, tmp_path):
+    ctxs = [{"id": f"p{i}", "title": f"T{i}", "text": f"Passage {i} is about the number {i}." * 8
+             + (" The answer is zebra42." if i == 3 else ""), "has_answer": i == 3} for i in range(40)]
+    (tmp_path / "nq.jsonl").write_text(json.dumps({"question": "what?", "answers": ["zebra42"], "ctxs": ctxs}) + "\n")
+    (tmp_path / "story.jsonl").write_text(json.dumps({"document": "the old sailor went to sea " * 400,
+                                                      "question": "who?", "answers": ["the old sailor"]}) + "\n")
+    ec = EvalConfig(samples=2, depths=[0.0, 1.0], helmet={
+        "nq": {"kind": "rag", "path": str(tmp_path / "nq.jsonl")},
+        "gone": {"kind": "rag", "path": str(tmp_path / "missing.jsonl")},
+        "story": {"kind": "narrativeqa", "path": str(tmp_path / "story.jsonl")}})
+    enc = suite.Encoder(tok, chat=False)
+    results = report.empty_results()
+    prompts = helmet.prompts(results, "m", enc.count, ec, [512, 1024])
+    assert [(p.task, p.length) for p in prompts] == [(t, n) for t in ("rag_nq", "narrativeqa_story")
+                                                     for n in (512, 1024) for _ in range(2)]
+    assert [p.meta["depth"] for p in prompts[:2]] == [0.0, 1.0]  # depths cycle over the samples
+    assert all(len(enc.prompt(p)) <= p.length for p in prompts)
+    [skip] = results["skipped"]
+    assert skip["checkpoint"] == "m" and skip["task"] == "helmet:gone" and "cannot load split" in skip["reason"]
+    assert "helmet:story" in results["not_computed"] and "helmet:nq" not in results["not_computed"]
+    assert helmet.prompts(report.empty_results(), "m", enc.count, ec, [512, 1024]) == prompts  # seeded
+
+
+def test_lm_eval_scores_what_it_can_and_skips_the_rest(tok, tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"question": q, "choices": [" Paris", " seven"], "answer": 0}) + "\n"
+                            for q in ("The capital of France is", "Paris is in", "A city:")))
+    task = {"task": "tiny_choice", "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(data)}},
+            "test_split": "test", "output_type": "multiple_choice", "doc_to_text": "{{question}}",
+            "doc_to_choice": "{{choices}}", "doc_to_target": "{{answer}}", "target_delimiter": "",
+            "metric_list": [{"metric": "acc"}]}
+    (tmp_path / "tiny_choice.yaml").write_text(yaml.safe_dump(task))
+    results = report.empty_results()
+    ec = EvalConfig(lm_eval_tasks=[str(tmp_path / "tiny_choice.yaml"), "no_such_task"], lm_eval_limit=2)
+    lm_harness.retention(results, "m", small_model(), tok, ec)
+    scores = results["lm_eval"]["m"]["tiny_choice"]
+    assert scores["sample_len"] == 2 and 0.0 <= scores["acc,none"] <= 1.0  # the limit holds
+    assert list(results["lm_eval"]["m"]) == ["tiny_choice"]  # a task that fails has no score...
+    [skip] = results["skipped"]  # ...but a reason
+    assert skip["checkpoint"] == "m" and skip["task"] == "lm_eval:no_such_task" and "no_such_task" in skip["reason"]
+
+
+def test_evaluate_one_checkpoint(small_project, tok, long_val, tmp_path):
+    model = small_model(256)
+    short = PackedDataset(small_project / "data/packed/base/val")
+    haystack = tok.tok.decode(long_val[0].input_ids.tolist())
+    ec = EvalConfig(tasks=["passkey", "niah_single_noise"], lengths=[256, 512], samples=1, depths=[0.5],
+                    position_sequences=2, needle_sequences=2, retention_sequences=4)
+    results = report.empty_results()
+    rows, curve = suite.evaluate(results, "base", model, tmp_path, suite.Encoder(tok, chat=False), ec, long_val,
+                                 haystack, 256, short)
+    assert results["skipped"] == [{"checkpoint": "base", "length": 512, "reason": "beyond the checkpoint's window 256"}]
+    assert [(r["checkpoint"], r["task"], r["length"]) for r in rows] == [("base", "passkey", 256),
+                                                                          ("base", "niah_single_noise", 256)]
+    assert results["tasks"]["base"] == report.mean_scores(rows)
+    assert results["throughput"]["base"]["prompts_per_s"] > 0 and results["throughput"]["base"]["tokens_per_s"] > 0
+    assert list(results["ppl_by_length"]["base"]) == [256, 512, 2048]  # perplexity goes beyond the window
+    assert curve[-1]["checkpoint"] == "base" and curve[-1]["position"] == 2047
+    retention = suite.mean_loss(model, [short[i].input_ids for i in range(4)])
+    assert results["retention_ppl"]["base"] == pytest.approx(needle.perplexity(retention))
+    assert "lm_eval" not in results  # none asked for
