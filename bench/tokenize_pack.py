@@ -76,13 +76,13 @@ def generate(folder: Path, megabytes: int, seed: int = 0) -> Path:
 
 
 def train_tokenizer(folder: Path, corpus: Path) -> Path:
-    from longctx.config import TrainBPE
+    from longctx.config import BPEParams
     from longctx.data.tokenize import training_text
     from longctx.data.tokenizer import TextTokenizer
 
     if not (folder / "tokenizer.json").is_file():
         sample = training_text(corpus, {"long": "long", "short": "short"}, 20_000_000)
-        TextTokenizer.train(sample, TrainBPE(vocab_size=VOCAB, min_frequency=2)).save(folder)
+        TextTokenizer.train(sample, BPEParams(vocab_size=VOCAB, min_frequency=2)).save(folder)
     return folder
 
 

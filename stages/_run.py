@@ -20,8 +20,8 @@ METRICS = Path("metrics")
 PLOTS = Path("plots")
 
 
-def main(name: str, run: Callable[[config.Config, Path], None],
-         trains: Callable[[config.Config], list] | None = None) -> None:
+def main(name: str, run: Callable[[config.Params, Path], None],
+         trains: Callable[[config.Params], list] | None = None) -> None:
     """Parse --params, run the stage from the project root, turn user errors into exit code 2.
     A training stage (`trains` lists its training configs) with train.nproc > 1 checks that they
     fit that many ranks, then starts itself again under torchrun, one process per GPU (gloo

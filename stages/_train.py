@@ -9,7 +9,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-from longctx.config import Config, TrainConfig, TrainStage, flat
+from longctx.config import Params, RunParams, StageParams, flat
 from longctx.data.loader import PackedDataset
 from longctx.errors import DataError
 from longctx.io import atomic_dir, read_json, write_json
@@ -29,7 +29,7 @@ def vocab_size() -> int:
     return int(read_json(TOKENS / "index.json", "token index")["vocab_size"])
 
 
-def split_data(stage: TrainStage, model: Transformer) -> tuple[PackedDataset, PackedDataset]:
+def split_data(stage: StageParams, model: Transformer) -> tuple[PackedDataset, PackedDataset]:
     train_data = PackedDataset(PACKED / stage.split / "train")
     if int(train_data.index["vocab_size"]) > model.cfg.vocab_size:
         raise DataError(f"{PACKED / stage.split}: token ids go up to {train_data.index['vocab_size']}, the model's "
@@ -47,7 +47,7 @@ def fingerprint(folder: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def run_folder(name: str, stage: TrainStage, model: Transformer, init: str) -> Path:
+def run_folder(name: str, stage: StageParams, model: Transformer, init: str) -> Path:
     """A run resumes only into the folder of the same params, model, starting weights and data."""
     data = fingerprint(PACKED / stage.split / "train")
     key = json.dumps([stage.model_dump(mode="json"), model.cfg.model_dump(mode="json"), init, data], sort_keys=True)
@@ -55,7 +55,7 @@ def run_folder(name: str, stage: TrainStage, model: Transformer, init: str) -> P
 
 
 @contextlib.contextmanager
-def tracked(cfg: Config, root: Path, name: str, par: Parallel) -> Iterator[Tracker]:
+def tracked(cfg: Params, root: Path, name: str, par: Parallel) -> Iterator[Tracker]:
     """The stage's MLflow run on the main rank; a tracker that records nothing on the others."""
     if not par.main:
         yield Tracker()
@@ -64,7 +64,7 @@ def tracked(cfg: Config, root: Path, name: str, par: Parallel) -> Iterator[Track
         yield tracker
 
 
-def fit(name: str, stage: TrainStage, model: Transformer, init: str, tracker, plot: Path,
+def fit(name: str, stage: StageParams, model: Transformer, init: str, tracker, plot: Path,
         par: Parallel) -> tuple[Transformer, dict]:
     """Train one stage (resuming if a run of it was interrupted) on every rank; write its loss
     curve to `plot` (CSV, a DVC plot); return the trained model, whole on every rank, and its
@@ -73,7 +73,7 @@ def fit(name: str, stage: TrainStage, model: Transformer, init: str, tracker, pl
     folder = run_folder(name, stage, model, init)
     tracker.text(str(folder), f"{name}_run_folder.txt")
     par = with_sequence_parallel(par, stage.sequence_parallel, model.cfg.n_heads)
-    loop_cfg = TrainConfig(**{k: v for k, v in stage.model_dump().items() if k in TrainConfig.model_fields})
+    loop_cfg = RunParams(**{k: v for k, v in stage.model_dump().items() if k in RunParams.model_fields})
     last = train(model, train_data, loop_cfg, folder, tracker, par=par)
     val = mean_loss(model, val_data, stage.val_sequences, stage.loss_chunk, par)
     model = unshard(model, par)
@@ -114,5 +114,5 @@ def finish(name: str, model: Transformer, summary: dict, out: Path, par: Paralle
     print(f"{name}: train loss {summary['train_loss']:.4f}, val loss {summary['val_loss']:.4f}")
 
 
-def params(cfg: Config, section: str) -> dict:
+def params(cfg: Params, section: str) -> dict:
     return flat(cfg.model, "model") | flat(getattr(cfg.train, section), f"train.{section}")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from longctx.config import Config
+from longctx.config import Params
 from longctx.io import atomic_dir, write_json
 from longctx.train import parallel
 from longctx.train.models import base_model
@@ -17,7 +17,7 @@ from ._run import METRICS, PLOTS, main
 OUT = _train.MODELS / "base"
 
 
-def run(cfg: Config, root: Path) -> None:
+def run(cfg: Params, root: Path) -> None:
     """Train the base model at its short context window."""
     stage = cfg.train.base
     if stage is None:

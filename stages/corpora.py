@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from longctx.config import Config, flat
+from longctx.config import Params, flat
 from longctx.data import corpora
 from longctx.data.stats import format_table
 from longctx.io import atomic_dir, write_json
@@ -13,7 +13,7 @@ from longctx.tracking import stage_run
 from ._run import CORPORA, main
 
 
-def run(cfg: Config, root: Path) -> None:
+def run(cfg: Params, root: Path) -> None:
     """Collect each domain's documents from its sources."""
     with stage_run(cfg.tracking, root, "corpora", flat(cfg.corpora, "corpora")) as tracker:
         with atomic_dir(CORPORA) as tmp:

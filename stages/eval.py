@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from longctx.config import Config, flat
+from longctx.config import Params, flat
 from longctx.data.loader import PackedDataset
 from longctx.data.tokenizer import TextTokenizer
 from longctx.errors import DataError
@@ -23,7 +23,7 @@ OUT = Path("reports") / "eval"
 PLOT_DIR = PLOTS / "eval"
 
 
-def checkpoints(cfg: Config) -> dict[str, Path]:
+def checkpoints(cfg: Params) -> dict[str, Path]:
     """Name -> folder of every checkpoint the pipeline made, in training order."""
     out = {}
     if cfg.train.base is not None:
@@ -37,18 +37,18 @@ def checkpoints(cfg: Config) -> dict[str, Path]:
     return out
 
 
-def long_split(cfg: Config) -> PackedDataset:
+def long_split(cfg: Params) -> PackedDataset:
     """The validation part of the split with the longest sequences (long documents)."""
     name = max(cfg.pack.splits, key=lambda s: cfg.pack.splits[s].seq_len)
     return PackedDataset(PACKED / name / "val")
 
 
-def retention_split(cfg: Config) -> PackedDataset | None:
+def retention_split(cfg: Params) -> PackedDataset | None:
     name = cfg.eval.retention_split or (cfg.train.base.split if cfg.train.base else None)
     return PackedDataset(PACKED / name / "val") if name else None
 
 
-def run(cfg: Config, root: Path) -> None:
+def run(cfg: Params, root: Path) -> None:
     """Evaluate every checkpoint with the same prompts."""
     ec = cfg.eval
     ckpts = checkpoints(cfg)

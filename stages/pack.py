@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from longctx.config import Config, flat
+from longctx.config import Params, flat
 from longctx.data.pack import pack_all
 from longctx.data.stats import format_table, plot_proportions
 from longctx.data.tokenizer import TextTokenizer
@@ -15,7 +15,7 @@ from longctx.tracking import stage_run
 from ._run import METRICS, PACKED, PLOTS, TOKENS, main
 
 
-def check_tokens(cfg: Config) -> dict:
+def check_tokens(cfg: Params) -> dict:
     """The token shards must come from the tokenizer the params ask for, unchanged since."""
     index = read_json(TOKENS / "index.json", "token index")
     if index.get("tokenizer_spec") != cfg.tokenize.tokenizer.model_dump(mode="json"):
@@ -33,7 +33,7 @@ def check_tokens(cfg: Config) -> dict:
     return index
 
 
-def run(cfg: Config, root: Path) -> None:
+def run(cfg: Params, root: Path) -> None:
     """Cut, mix and pack every split of the curriculum, plus SFT."""
     token_index = check_tokens(cfg)
     with stage_run(cfg.tracking, root, "pack", flat(cfg.pack, "pack")) as tracker:

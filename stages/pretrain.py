@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
-from longctx.config import Config
+from longctx.config import Params
 from longctx.errors import DataError
 from longctx.io import atomic_dir, read_json
 from longctx.train import parallel
@@ -30,7 +30,7 @@ def searched_factors(init: str) -> Path:
     return path
 
 
-def run(cfg: Config, root: Path) -> None:
+def run(cfg: Params, root: Path) -> None:
     """Continue training at each curriculum stage's length."""
     p = cfg.train.pretrain
     init = str(_train.MODELS / "base") if p.init == "base" else p.init  # a directory or a hub id

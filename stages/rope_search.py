@@ -8,7 +8,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from longctx.config import Config, flat
+from longctx.config import Params, flat
 from longctx.data.loader import PackedDataset
 from longctx.data.stats import format_table
 from longctx.data.tokenizer import TextTokenizer
@@ -26,7 +26,7 @@ from ._run import METRICS, PACKED, PLOTS, TOKENS, compute_device, main, write_cs
 OUT = _train.MODELS / "rope_search"
 
 
-def pretrain_init(cfg: Config) -> str:
+def pretrain_init(cfg: Params) -> str:
     p = cfg.train.pretrain
     return str(_train.MODELS / "base") if p.init == "base" else p.init
 
@@ -39,7 +39,7 @@ def skip(reason: str) -> None:
     print(f"rope_search: skipped ({reason})")
 
 
-def pick_split(cfg: Config, target: int) -> str:
+def pick_split(cfg: Params, target: int) -> str:
     if cfg.rope_search.split:
         return cfg.rope_search.split
     reach = {name: s.seq_len for name, s in cfg.pack.splits.items() if s.seq_len >= target}
@@ -50,7 +50,7 @@ def pick_split(cfg: Config, target: int) -> str:
     return min(reach, key=reach.get)
 
 
-def run(cfg: Config, root: Path) -> None:
+def run(cfg: Params, root: Path) -> None:
     """Search RoPE factors for the target length and compare them with every baseline."""
     rs = cfg.rope_search
     init = pretrain_init(cfg)
@@ -113,7 +113,7 @@ def run(cfg: Config, root: Path) -> None:
               f"{summary['best_baseline']} {summary['best_baseline_needle_ppl']:.3f} at {target} (held-out sequences)")
 
 
-def _run_folder(cfg: Config, init: str, split: str) -> Path:
+def _run_folder(cfg: Params, init: str, split: str) -> Path:
     """The search state resumes only for the same settings, starting model and data."""
     key = json.dumps([cfg.rope_search.model_dump(mode="json"), init, _train.fingerprint(Path(init)),
                       _train.fingerprint(PACKED / split / "val")], sort_keys=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from longctx.config import Config
+from longctx.config import Params
 from longctx.train import parallel
 from longctx.train.models import load_model
 
@@ -14,7 +14,7 @@ from ._run import PLOTS, main
 OUT = _train.MODELS / "sft"
 
 
-def run(cfg: Config, root: Path) -> None:
+def run(cfg: Params, root: Path) -> None:
     """Fine-tune the last pretraining stage's model on instructions."""
     init = _train.MODELS / "pretrain" / cfg.train.pretrain.stages[-1].split
     par = parallel.init()

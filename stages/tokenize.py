@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from longctx.config import Config, flat
+from longctx.config import Params, flat
 from longctx.data.shards import id_dtype
 from longctx.data.stats import format_table, length_table, plot_length_hist
 from longctx.data.tokenize import tokenize_domains, training_text
@@ -17,7 +17,7 @@ from ._run import CORPORA, METRICS, PLOTS, TOKENS, main
 TIMINGS = ("seconds", "tokens_per_s")  # kept out of outputs, so equal inputs give equal bytes
 
 
-def run(cfg: Config, root: Path) -> None:
+def run(cfg: Params, root: Path) -> None:
     """Encode every domain with the base model's tokenizer (or a BPE trained here)."""
     read_json(CORPORA / "manifest.json", "corpora manifest")
     tcfg = cfg.tokenize

@@ -18,7 +18,7 @@ from longctx.model import ulysses
 from longctx.model.config import FoxConfig, ModelConfig, RopeConfig
 from longctx.model.transformer import Transformer
 from longctx.train import parallel
-from longctx.train.loop import TrainConfig, attention_cost, make_batch, schedule, train
+from longctx.train.loop import RunParams, attention_cost, make_batch, schedule, train
 
 
 def build(arch: str) -> Transformer:
@@ -64,7 +64,7 @@ def main(data_dir: str, out: str, arch: str, sp: int) -> None:
     model = build(arch).to(par.device)
     parallel.shard(model, par)
     gradients(model, data, par, out_dir)
-    cfg = TrainConfig(steps=3, micro_batch=1, grad_accum=4, lr=3e-3, sequence_parallel=sp, checkpoint_every=3)
+    cfg = RunParams(steps=3, micro_batch=1, grad_accum=4, lr=3e-3, sequence_parallel=sp, checkpoint_every=3)
     train(build(arch).to(par.device), data, cfg, out_dir / "run", par=par)
 
 

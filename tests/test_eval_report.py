@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 
-from longctx.config import EvalConfig
+from longctx.config import EvalParams
 from longctx.data.loader import PackedDataset
 from longctx.data.tokenizer import TextTokenizer
 from longctx.errors import ConfigError, DataError
@@ -82,7 +82,7 @@ def test_perplexities_at_every_length_documents_reach(small_project, tok, long_v
     model = small_model(256)
     results = report.empty_results()
     curve = suite.perplexities(results, "m", model, long_val, tok,
-                               EvalConfig(lengths=[32, 256, 4096], position_sequences=2, needle_sequences=2))
+                               EvalParams(lengths=[32, 256, 4096], position_sequences=2, needle_sequences=2))
     assert list(results["ppl_by_length"]["m"]) == [32, 256, 2048]  # 4096: no document that long; 2048: packed length
     docs = [torch.from_numpy(long_val[i].input_ids[:256].astype(np.int64))
             for i in needle.long_documents(long_val, 256)[:2]]
@@ -100,7 +100,7 @@ def test_perplexities_at_every_length_documents_reach(small_project, tok, long_v
 
     chats = PackedDataset(small_project / "data/packed/sft/val")  # no 512-token document starts a sequence
     results = report.empty_results()
-    assert suite.perplexities(results, "m", model, chats, tok, EvalConfig(lengths=[512])) == []
+    assert suite.perplexities(results, "m", model, chats, tok, EvalParams(lengths=[512])) == []
     assert results["skipped"] == [{"checkpoint": "m", "task": "perplexity", "reason": "no long validation documents"}]
     assert results["ppl_by_length"] == results["needle_ppl"] == results["position_loss"] == {}
 
@@ -111,7 +111,7 @@ def test_helmet_prompts_skip_a_dataset_that_cannot_be_loaded(tok, tmp_path):
     (tmp_path / "nq.jsonl").write_text(json.dumps({"question": "what?", "answers": ["zebra42"], "ctxs": ctxs}) + "\n")
     (tmp_path / "story.jsonl").write_text(json.dumps({"document": "the old sailor went to sea " * 400,
                                                       "question": "who?", "answers": ["the old sailor"]}) + "\n")
-    ec = EvalConfig(samples=2, depths=[0.0, 1.0], helmet={
+    ec = EvalParams(samples=2, depths=[0.0, 1.0], helmet={
         "nq": {"kind": "rag", "path": str(tmp_path / "nq.jsonl")},
         "gone": {"kind": "rag", "path": str(tmp_path / "missing.jsonl")},
         "story": {"kind": "narrativeqa", "path": str(tmp_path / "story.jsonl")}})
@@ -138,7 +138,7 @@ def test_lm_eval_scores_what_it_can_and_skips_the_rest(tok, tmp_path):
             "metric_list": [{"metric": "acc"}]}
     (tmp_path / "tiny_choice.yaml").write_text(yaml.safe_dump(task))
     results = report.empty_results()
-    ec = EvalConfig(lm_eval_tasks=[str(tmp_path / "tiny_choice.yaml"), "no_such_task"], lm_eval_limit=2)
+    ec = EvalParams(lm_eval_tasks=[str(tmp_path / "tiny_choice.yaml"), "no_such_task"], lm_eval_limit=2)
     lm_harness.retention(results, "m", small_model(), tok, ec)
     scores = results["lm_eval"]["m"]["tiny_choice"]
     assert scores["sample_len"] == 2 and 0.0 <= scores["acc,none"] <= 1.0  # the limit holds
@@ -151,7 +151,7 @@ def test_evaluate_one_checkpoint(small_project, tok, long_val, tmp_path):
     model = small_model(256)
     short = PackedDataset(small_project / "data/packed/base/val")
     haystack = tok.tok.decode(long_val[0].input_ids.tolist())
-    ec = EvalConfig(tasks=["passkey", "niah_single_noise"], lengths=[256, 512], samples=1, depths=[0.5],
+    ec = EvalParams(tasks=["passkey", "niah_single_noise"], lengths=[256, 512], samples=1, depths=[0.5],
                     position_sequences=2, needle_sequences=2, retention_sequences=4)
     results = report.empty_results()
     rows, curve = suite.evaluate(results, "base", model, tmp_path, suite.Encoder(tok, chat=False), ec, long_val,

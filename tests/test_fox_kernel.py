@@ -233,14 +233,14 @@ def test_training_with_acp_logs_the_pruned_fraction(small_project, tmp_path):
     import json
 
     from longctx.data.loader import PackedDataset
-    from longctx.train.loop import TrainConfig, train
+    from longctx.train.loop import RunParams, train
 
     data = PackedDataset(small_project / "data/packed/stage1/train")
     model = fox_model(vocab=1024)
     with torch.no_grad():
         for layer in model.layers:  # gates that forget within tens of tokens: tiles to prune at 512
             layer.self_attn.fgate.bias.fill_(-1.0)
-    last = train(model, data, TrainConfig(steps=2, lr=1e-3, acp_eps=math.exp(-10)), tmp_path)
+    last = train(model, data, RunParams(steps=2, lr=1e-3, acp_eps=math.exp(-10)), tmp_path)
     logged = [json.loads(line)["acp_pruned_fraction"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(logged) == 2 and all(0.2 < x < 1 for x in logged), logged
     assert math.isfinite(last["loss"])

@@ -103,10 +103,10 @@ def test_export_loads_in_transformers_with_equal_logits(tmp_path, rope):
 def test_export_carries_the_tokenizer(tmp_path):
     from transformers import AutoTokenizer
 
-    from longctx.config import TrainBPE
+    from longctx.config import BPEParams
     from longctx.data.tokenizer import TextTokenizer
 
-    tok = TextTokenizer.train(["def f(x):\n    return x + 1\n"] * 50, TrainBPE(vocab_size=300, min_frequency=1))
+    tok = TextTokenizer.train(["def f(x):\n    return x + 1\n"] * 50, BPEParams(vocab_size=300, min_frequency=1))
     tok.save(tmp_path / "tok")
     cfg = ModelConfig(vocab_size=tok.vocab_size, d_model=32, n_layers=1, n_heads=4, ffn_dim=48)
     save_hf(Transformer(cfg), tmp_path / "hf", tokenizer_dir=tmp_path / "tok")

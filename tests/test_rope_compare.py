@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from longctx.config import RopeSearchConfig
+from longctx.config import RopeSearchParams
 from longctx.data.loader import PackedDataset
 from longctx.data.tokenizer import TextTokenizer
 from longctx.errors import DataError
@@ -33,7 +33,7 @@ def test_search_and_compare_score_every_method_on_the_same_sequences(small_proje
     tok = TextTokenizer.load(small_project / "data/tokens/tokenizer")
     m = model()
     space = Space(m.cfg.dim_head, 10000.0, 128, 512)
-    rs = RopeSearchConfig(sequences=2, table_sequences=2, population=6, generations=2, seed=1)
+    rs = RopeSearchParams(sequences=2, table_sequences=2, population=6, generations=2, seed=1)
     needles = needle_sets(data, tok, space, rs)
     assert [len(n) for n in needles] == [2, 2]
     assert not {s.value for s in needles[0]} & {s.value for s in needles[1]}  # held out: other needles

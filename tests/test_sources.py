@@ -15,14 +15,14 @@ import pytest
 import yaml
 
 from conftest import REPO
-from longctx.config import CorporaConfig, SourceSpec
+from longctx.config import CorporaParams, SourceParams
 from longctx.data import builtin, corpora
 from longctx.data.sources import iter_docs
 from longctx.errors import DataError
 
 
 def docs(spec: dict, kind: str = "short", invalid_utf8: str = "replace"):
-    return list(iter_docs(SourceSpec(**spec), kind, 0, invalid_utf8))
+    return list(iter_docs(SourceParams(**spec), kind, 0, invalid_utf8))
 
 
 def test_local_directory_reads_every_supported_file(tmp_path):
@@ -48,7 +48,7 @@ def test_invalid_utf8_is_replaced_and_counted_or_rejected(tmp_path):
     src.mkdir()
     (src / "good.txt").write_text("fine")
     (src / "bad.txt").write_bytes(b"caf\xe9 and \xff\xfe end")
-    cfg = CorporaConfig(domains={"web": {"kind": "short", "sources": [{"path": str(src)}]}})
+    cfg = CorporaParams(domains={"web": {"kind": "short", "sources": [{"path": str(src)}]}})
     out = tmp_path / "out"
     out.mkdir()
     manifest = corpora.build(cfg, out)
@@ -89,7 +89,7 @@ def test_missing_and_empty_sources(tmp_path):
     with pytest.raises(DataError, match="no .* files in this directory"):
         docs({"path": str(tmp_path / "empty")})
     (tmp_path / "blank.jsonl").write_text("\n")
-    cfg = CorporaConfig(domains={"web": {"kind": "short", "sources": [{"path": str(tmp_path / "blank.jsonl")}]}})
+    cfg = CorporaParams(domains={"web": {"kind": "short", "sources": [{"path": str(tmp_path / "blank.jsonl")}]}})
     with pytest.raises(DataError, match=r"corpora\.domains\.web: source path .*blank\.jsonl yielded no documents"):
         corpora.build(cfg, tmp_path)
 
@@ -146,9 +146,9 @@ def test_hub_errors_are_data_errors(tmp_path):
 
 def test_builtin_repos_are_whole_packages_in_seeded_file_order():
     spec = {"builtin": "stdlib_repos", "max_docs": 3}
-    a = list(iter_docs(SourceSpec(**spec), "long", 0, "replace"))
-    b = list(iter_docs(SourceSpec(**spec), "long", 0, "replace"))
-    c = list(iter_docs(SourceSpec(**spec), "long", 1, "replace"))
+    a = list(iter_docs(SourceParams(**spec), "long", 0, "replace"))
+    b = list(iter_docs(SourceParams(**spec), "long", 0, "replace"))
+    c = list(iter_docs(SourceParams(**spec), "long", 1, "replace"))
     assert [d.text for d in a] == [d.text for d in b]
     assert [d.text for d in a] != [d.text for d in c]
     unsorted = 0

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from longctx.config import TokenizeConfig, TokenizerSpec, TrainBPE
+from longctx.config import BPEParams, TokenizeParams, TokenizerParams
 from longctx.data import builtin
 from longctx.data.shards import ShardReader
 from longctx.data.tokenize import tokenize_domains
@@ -39,11 +39,11 @@ def corpus() -> list[str]:
 
 @pytest.fixture(scope="module")
 def trained(corpus) -> TextTokenizer:
-    return TextTokenizer.train(corpus, TrainBPE(vocab_size=1000, min_frequency=2))
+    return TextTokenizer.train(corpus, BPEParams(vocab_size=1000, min_frequency=2))
 
 
 def test_training_is_deterministic_and_round_trips(corpus, trained):
-    again = TextTokenizer.train(corpus, TrainBPE(vocab_size=1000, min_frequency=2))
+    again = TextTokenizer.train(corpus, BPEParams(vocab_size=1000, min_frequency=2))
     assert again.tok.to_str() == trained.tok.to_str() and again.fingerprint == trained.fingerprint
     assert trained.vocab_size == 1000
     text = corpus[3][:2000]
@@ -74,7 +74,7 @@ def test_masks_cover_exactly_the_assistant_turns(trained):
 
 
 def test_masks_with_a_llama3_style_template(corpus):
-    cfg = TrainBPE(vocab_size=1000, min_frequency=2)
+    cfg = BPEParams(vocab_size=1000, min_frequency=2)
     tt = TextTokenizer.train(corpus, cfg)
     tt.tok.add_special_tokens(["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"])
     tt.bos_token, tt.chat_template = "<|begin_of_text|>", LLAMA3_STYLE
@@ -97,7 +97,7 @@ def test_broken_tokenizer_directories(tmp_path):
     with pytest.raises(DataError, match="not a valid tokenizers file"):
         TextTokenizer.load(tmp_path)
     with pytest.raises(ConfigError, match="is not a tokenizer directory"):
-        TextTokenizer.from_spec(TokenizerSpec(path=str(tmp_path / "a" / "b" / "c")))
+        TextTokenizer.from_spec(TokenizerParams(path=str(tmp_path / "a" / "b" / "c")))
 
 
 def _wordlevel_dir(folder: Path, size: int) -> Path:
@@ -111,7 +111,7 @@ def _wordlevel_dir(folder: Path, size: int) -> Path:
 
 
 def test_vocab_too_large_for_uint16(tmp_path):
-    tt = TextTokenizer.from_spec(TokenizerSpec(path=str(_wordlevel_dir(tmp_path / "big", 70_000))))
+    tt = TextTokenizer.from_spec(TokenizerParams(path=str(_wordlevel_dir(tmp_path / "big", 70_000))))
     corpora_dir = tmp_path / "corpora"
     corpora_dir.mkdir()
     texts = ["w5 w69999 w123 " * 20, "w65536 w3"]
@@ -119,8 +119,8 @@ def test_vocab_too_large_for_uint16(tmp_path):
     tt.save(tmp_path / "out" / "tokenizer")
     spec = {"tokenizer": {"path": "x"}, "long_min_tokens": 1, "num_workers": 0}
     with pytest.raises(ConfigError, match="tokenize.dtype: uint16 cannot hold ids of a vocabulary of 70000"):
-        tokenize_domains(TokenizeConfig(**spec, dtype="uint16"), {"web": "short"}, corpora_dir, tmp_path / "out", tt)
-    report, _ = tokenize_domains(TokenizeConfig(**spec), {"web": "short"}, corpora_dir, tmp_path / "out", tt)
+        tokenize_domains(TokenizeParams(**spec, dtype="uint16"), {"web": "short"}, corpora_dir, tmp_path / "out", tt)
+    report, _ = tokenize_domains(TokenizeParams(**spec), {"web": "short"}, corpora_dir, tmp_path / "out", tt)
     reader = ShardReader(tmp_path / "out" / "web")
     assert reader.dtype == np.uint32
     assert reader.tokens(1).tolist() == [1, 65536, 3, 2]
@@ -137,7 +137,7 @@ def test_worker_processes_give_the_same_shards(tmp_path, trained):
     for workers in (0, 2):
         out = tmp_path / f"out{workers}"
         trained.save(out / "tokenizer")
-        cfg = TokenizeConfig(tokenizer={"path": "x"}, long_min_tokens=1000, num_workers=workers, batch_size=4,
+        cfg = TokenizeParams(tokenizer={"path": "x"}, long_min_tokens=1000, num_workers=workers, batch_size=4,
                              shard_tokens=20_000)
         tokenize_domains(cfg, {"web": "long"}, corpora_dir, out, trained)
         outs[workers] = {p.name: p.read_bytes() for p in (out / "web").iterdir() if p.name != "index.json"}

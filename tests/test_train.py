@@ -19,7 +19,7 @@ from longctx.data.loader import PackedDataset
 from longctx.model.config import ModelConfig
 from longctx.model.transformer import Transformer
 from longctx.train import checkpoint
-from longctx.train.loop import TrainConfig, TrainingDiverged, make_batch, train
+from longctx.train.loop import RunParams, TrainingDiverged, make_batch, train
 from longctx.train.optim import lr_at, param_groups
 
 
@@ -93,7 +93,7 @@ def test_killed_run_resumes_bitwise(small_project, tmp_path):
 def test_nan_loss_stops_before_any_checkpoint(small_project, tmp_path):
     data = PackedDataset(small_project / "data/packed/stage1/train")
     model = tiny_model()
-    cfg = TrainConfig(steps=4, lr=1e-3, checkpoint_every=1)
+    cfg = RunParams(steps=4, lr=1e-3, checkpoint_every=1)
     train(model, data, cfg.model_copy(update={"steps": 2}), tmp_path)
     with torch.no_grad():
         model.layers[0].mlp.up_proj.weight.fill_(float("nan"))

@@ -10,7 +10,7 @@ import torch
 from longctx.data.loader import PackedDataset
 from longctx.model.config import ModelConfig
 from longctx.model.transformer import Transformer
-from longctx.train.loop import TrainConfig, train
+from longctx.train.loop import RunParams, train
 
 
 def main(data: str, out: str, steps: int, every: int) -> None:
@@ -19,7 +19,7 @@ def main(data: str, out: str, steps: int, every: int) -> None:
     ds = PackedDataset(data)
     cfg = ModelConfig(vocab_size=1024, d_model=32, n_layers=2, n_heads=4, ffn_dim=64, max_position_embeddings=512)
     model = Transformer(cfg, attention_backend="sdpa")
-    train(model, ds, TrainConfig(steps=steps, micro_batch=2, grad_accum=2, lr=3e-3, checkpoint_every=every,
+    train(model, ds, RunParams(steps=steps, micro_batch=2, grad_accum=2, lr=3e-3, checkpoint_every=every,
                                  keep_last=10), Path(out))
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .config import TrainConfig
+from .config import RunParams
 from .model.config import ModelConfig
 from .train.compiled import graphs_compiled
 from .train.loop import MATMUL_BF16_FLOPS, Batch, flop_params, packed_batch, peak_flops, prepare, step_flops, train_step
@@ -35,7 +35,7 @@ class Run:
     model: torch.nn.Module
     opt: torch.optim.Optimizer
     par: Parallel
-    cfg: TrainConfig
+    cfg: RunParams
 
     def step(self, micro: list[Batch]) -> tuple[float, float]:
         """One timed optimizer step: (seconds, the device drained before and after; loss)."""
@@ -53,7 +53,7 @@ def prepared(cfg: ModelConfig, par: Parallel, *, compile: bool, recompute: str =
     """A fresh model of `cfg` made on the device and prepared by the training loop's own
     `prepare` (FSDP2 mixed precision, compiled blocks, checkpointing, ACP)."""
     torch._dynamo.reset()  # graphs of another shape must not turn this one's sizes dynamic
-    train_cfg = TrainConfig(steps=1, lr=lr, compile=compile, activation_checkpointing=recompute,
+    train_cfg = RunParams(steps=1, lr=lr, compile=compile, activation_checkpointing=recompute,
                             acp_eps=ACP_EPS if acp else None, offload=offload)
     model = build(cfg, backend, device=par.device)
     prepare(model, train_cfg, par)

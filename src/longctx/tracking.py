@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from .config import TrackingConfig
+from .config import TrackingParams
 
 MAX_PARAM_CHARS = 6000
 PARENT_ENV = "LONGCTX_MLFLOW_PARENT_RUN"
@@ -31,7 +31,7 @@ def workspace_root(root: Path) -> Path:
     return root
 
 
-def tracking_uri(cfg: TrackingConfig, root: Path) -> str:
+def tracking_uri(cfg: TrackingParams, root: Path) -> str:
     root = workspace_root(root)
     if os.environ.get("MLFLOW_TRACKING_URI"):
         return os.environ["MLFLOW_TRACKING_URI"]
@@ -83,7 +83,7 @@ def run_tags(root: Path, stage: str) -> dict[str, str]:
     return tags
 
 
-def experiment_id(cfg: TrackingConfig, root: Path) -> str:
+def experiment_id(cfg: TrackingParams, root: Path) -> str:
     """The configured experiment in the configured store, made on first use with its artifacts in
     the workspace's mlartifacts/."""
     import mlflow
@@ -97,7 +97,7 @@ def experiment_id(cfg: TrackingConfig, root: Path) -> str:
 
 
 @contextlib.contextmanager
-def stage_run(cfg: TrackingConfig, root: Path, stage: str, params: dict[str, Any]) -> Iterator[Tracker]:
+def stage_run(cfg: TrackingParams, root: Path, stage: str, params: dict[str, Any]) -> Iterator[Tracker]:
     """An MLflow run for one stage; it ends FAILED if the stage raises."""
     if not cfg.enabled:
         yield Tracker()
@@ -114,7 +114,7 @@ def stage_run(cfg: TrackingConfig, root: Path, stage: str, params: dict[str, Any
         yield Tracker(mlflow)
 
 
-def open_run(cfg: TrackingConfig, root: Path, stage: str, name: str, tags: dict[str, str] | None = None) -> str | None:
+def open_run(cfg: TrackingParams, root: Path, stage: str, name: str, tags: dict[str, str] | None = None) -> str | None:
     """A run that outlives this call (a pipeline's parent run, which its stages' runs join through
     PARENT_ENV; end it with `end_run`); None when tracking is off."""
     if not cfg.enabled:
@@ -126,7 +126,7 @@ def open_run(cfg: TrackingConfig, root: Path, stage: str, name: str, tags: dict[
                              tags=run_tags(root, stage) | (tags or {})).info.run_id
 
 
-def end_run(cfg: TrackingConfig, root: Path, run_id: str | None, ok: bool, text: dict[str, str] | None = None) -> None:
+def end_run(cfg: TrackingParams, root: Path, run_id: str | None, ok: bool, text: dict[str, str] | None = None) -> None:
     """Close a run from `open_run`, FINISHED or FAILED, with `text` files (name: content) attached."""
     if run_id is None:
         return
@@ -138,7 +138,7 @@ def end_run(cfg: TrackingConfig, root: Path, run_id: str | None, ok: bool, text:
     client.set_terminated(run_id, "FINISHED" if ok else "FAILED")
 
 
-def tag_children(cfg: TrackingConfig, root: Path, parent: str | None, stage: str, tags: dict[str, str]) -> None:
+def tag_children(cfg: TrackingParams, root: Path, parent: str | None, stage: str, tags: dict[str, str]) -> None:
     """Tag the runs `stage` made under `parent`."""
     if parent is None:
         return

@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from ..config import CorporaConfig
+from ..config import CorporaParams
 from ..errors import DataError
 from .sources import Doc, describe, iter_docs
 
@@ -70,7 +70,7 @@ class _Writer:
         self.writer.close()
 
 
-def build(cfg: CorporaConfig, out: Path) -> dict:
+def build(cfg: CorporaParams, out: Path) -> dict:
     """Write <out>/<domain>.parquet for every domain; return the manifest."""
     manifest: dict = {
         "seed": cfg.seed,

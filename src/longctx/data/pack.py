@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from ..config import Config
+from ..config import Params
 from ..errors import DataError
 from ..io import write_json
 from .shards import ShardReader
@@ -162,7 +162,7 @@ class SplitPlan:
 
 
 class Planner:
-    def __init__(self, cfg: Config, split: str, pools: dict[str, Pool]):
+    def __init__(self, cfg: Params, split: str, pools: dict[str, Pool]):
         self.cfg = cfg
         self.split = split
         self.spec = cfg.pack.splits[split]
@@ -304,7 +304,7 @@ def write_split(plan: SplitPlan, folder: Path, domains: list[str], dtype: np.dty
     return per_domain
 
 
-def pack_all(cfg: Config, tokens_dir: Path, out: Path, token_index: dict) -> dict:
+def pack_all(cfg: Params, tokens_dir: Path, out: Path, token_index: dict) -> dict:
     """Plan and write every split (train and val); return the manifest."""
     readers = {d: ShardReader(tokens_dir / d) for d in cfg.corpora.domains}
     domains = list(cfg.corpora.domains)

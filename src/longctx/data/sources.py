@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..config import SourceSpec
+from ..config import SourceParams
 from ..errors import DataError
 from . import builtin
 
@@ -37,7 +37,7 @@ class Doc:
         return sum(len(m["content"].encode("utf-8")) for m in self.messages or [])
 
 
-def describe(spec: SourceSpec) -> str:
+def describe(spec: SourceParams) -> str:
     if spec.path is not None:
         return f"path {spec.path}"
     if spec.hub is not None:
@@ -45,7 +45,7 @@ def describe(spec: SourceSpec) -> str:
     return f"builtin {spec.builtin}" + (f" ({spec.part})" if spec.part else "")
 
 
-def iter_docs(spec: SourceSpec, kind: str, seed: int, invalid_utf8: str) -> Iterator[Doc]:
+def iter_docs(spec: SourceParams, kind: str, seed: int, invalid_utf8: str) -> Iterator[Doc]:
     """All documents of one source, within its budget. `kind` is the domain's kind."""
     if spec.path is not None:
         docs = _local(Path(spec.path), spec, kind, invalid_utf8)
@@ -56,7 +56,7 @@ def iter_docs(spec: SourceSpec, kind: str, seed: int, invalid_utf8: str) -> Iter
     return _budget(docs, spec)
 
 
-def _budget(docs: Iterable[Doc], spec: SourceSpec) -> Iterator[Doc]:
+def _budget(docs: Iterable[Doc], spec: SourceParams) -> Iterator[Doc]:
     n = size = 0
     for doc in docs:
         if spec.max_docs is not None and n >= spec.max_docs:
@@ -71,7 +71,7 @@ def _budget(docs: Iterable[Doc], spec: SourceSpec) -> Iterator[Doc]:
 # ---------------------------------------------------------------- builtin
 
 
-def _builtin(spec: SourceSpec, kind: str, seed: int) -> Iterator[Doc]:
+def _builtin(spec: SourceParams, kind: str, seed: int) -> Iterator[Doc]:
     name, part = spec.builtin, spec.part
     if (kind == "sft") != (name == "stdlib_sft"):
         raise DataError(f"builtin {name}: does not fit a {kind} domain")
@@ -98,7 +98,7 @@ def _builtin(spec: SourceSpec, kind: str, seed: int) -> Iterator[Doc]:
 # ---------------------------------------------------------------- local files
 
 
-def _local(path: Path, spec: SourceSpec, kind: str, invalid_utf8: str) -> Iterator[Doc]:
+def _local(path: Path, spec: SourceParams, kind: str, invalid_utf8: str) -> Iterator[Doc]:
     if not path.exists():
         raise DataError(f"{path}: source path does not exist")
     if path.is_dir():
@@ -133,7 +133,7 @@ def _decode(raw: bytes, where: Any, invalid_utf8: str) -> tuple[str, int]:
     return text, text.count("\ufffd") - raw.decode("utf-8", errors="ignore").count("\ufffd")
 
 
-def _jsonl(f: Path, spec: SourceSpec, kind: str, invalid_utf8: str) -> Iterator[Doc]:
+def _jsonl(f: Path, spec: SourceParams, kind: str, invalid_utf8: str) -> Iterator[Doc]:
     with f.open("rb") as fh:
         for lineno, raw in enumerate(fh, 1):
             if not raw.strip():
@@ -150,7 +150,7 @@ def _jsonl(f: Path, spec: SourceSpec, kind: str, invalid_utf8: str) -> Iterator[
             yield doc
 
 
-def _parquet(f: Path, spec: SourceSpec, kind: str) -> Iterator[Doc]:
+def _parquet(f: Path, spec: SourceParams, kind: str) -> Iterator[Doc]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -171,7 +171,7 @@ def _parquet(f: Path, spec: SourceSpec, kind: str) -> Iterator[Doc]:
 # ---------------------------------------------------------------- rows (jsonl, parquet, hub)
 
 
-def _row_doc(row: dict, where: str, spec: SourceSpec, kind: str) -> Doc:
+def _row_doc(row: dict, where: str, spec: SourceParams, kind: str) -> Doc:
     if kind == "sft":
         return Doc(where, messages=_messages(row.get(spec.messages_field), where, spec.messages_field))
     value = row.get(spec.text_field)
@@ -203,7 +203,7 @@ def _dotted(row: dict, key: str) -> Any:
     return row
 
 
-def _hub(spec: SourceSpec, kind: str, seed: int) -> Iterator[Doc]:
+def _hub(spec: SourceParams, kind: str, seed: int) -> Iterator[Doc]:
     """Stream a `datasets` dataset (hub id or local dataset directory)."""
     import datasets
 
@@ -234,14 +234,14 @@ def _hub(spec: SourceSpec, kind: str, seed: int) -> Iterator[Doc]:
         raise DataError(f"hub source {spec.hub!r}: {type(e).__name__}: {e}") from None
 
 
-def _group_part(row: dict, where: str, spec: SourceSpec) -> str:
+def _group_part(row: dict, where: str, spec: SourceParams) -> str:
     text = _row_doc(row, where, spec, "long").text
     if spec.header_field:
         return f"### File: {_dotted(row, spec.header_field)}\n{text}\n"
     return text + "\n"
 
 
-def _group_doc(key: Any, parts: list[str], spec: SourceSpec, seed: int) -> Doc:
+def _group_doc(key: Any, parts: list[str], spec: SourceParams, seed: int) -> Doc:
     """Files of one repository in random order: ProLong concatenates without dependency order."""
     random.Random(f"{seed}:{key}").shuffle(parts)
     return Doc(f"{spec.hub}:{spec.group_by}={key}", text="".join(parts))

@@ -18,7 +18,7 @@ import numpy as np
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from ..config import TokenizeConfig
+from ..config import TokenizeParams
 from ..errors import DataError
 from .corpora import domain_file, read_docs
 from .shards import ShardWriter, doc_key, id_dtype
@@ -70,7 +70,7 @@ def _encode(kind: str, rows: list) -> Encoded:
 class _Encoder:
     """Ordered map of `_encode` over batches, in a process pool or in this process."""
 
-    def __init__(self, tokenizer_dir: Path, cfg: TokenizeConfig):
+    def __init__(self, tokenizer_dir: Path, cfg: TokenizeParams):
         self.workers = cfg.num_workers
         args = (str(tokenizer_dir), cfg.add_bos, cfg.add_eos)
         if self.workers:
@@ -100,7 +100,7 @@ class _Encoder:
 
 
 def tokenize_domains(
-    cfg: TokenizeConfig,
+    cfg: TokenizeParams,
     domains: dict[str, str],
     corpora_dir: Path,
     out: Path,

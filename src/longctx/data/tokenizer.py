@@ -19,7 +19,7 @@ from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from ..config import TokenizerSpec, TrainBPE
+from ..config import BPEParams, TokenizerParams
 from ..errors import ConfigError, DataError
 
 SPECIALS = ["<|bos|>", "<|eos|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
@@ -71,7 +71,7 @@ class TextTokenizer:
         return cls(tok, _token_text(cfg.get("bos_token")), _token_text(cfg.get("eos_token")), template, folder)
 
     @classmethod
-    def from_spec(cls, spec: TokenizerSpec, corpus: Iterable[str] | None = None) -> TextTokenizer:
+    def from_spec(cls, spec: TokenizerParams, corpus: Iterable[str] | None = None) -> TextTokenizer:
         if spec.train is not None:
             if corpus is None:
                 raise ValueError("training a tokenizer needs a corpus")
@@ -83,7 +83,7 @@ class TextTokenizer:
         return tt
 
     @classmethod
-    def train(cls, corpus: Iterable[str], cfg: TrainBPE) -> TextTokenizer:
+    def train(cls, corpus: Iterable[str], cfg: BPEParams) -> TextTokenizer:
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..config import EvalConfig
+from ..config import EvalParams
 from ..errors import DataError
 from .tasks import Budget, Prompt
 
@@ -137,7 +137,7 @@ def build(src: Source, rows: list[dict], budget: Budget, rng: np.random.Generato
     raise ValueError(f"unknown HELMET kind {src.kind!r} (known: {KINDS})")
 
 
-def prompts(results: dict, name: str, count: Callable[[str], int], ec: EvalConfig, lengths: list[int]) -> list[Prompt]:
+def prompts(results: dict, name: str, count: Callable[[str], int], ec: EvalParams, lengths: list[int]) -> list[Prompt]:
     """HELMET dataset prompts for checkpoint `name`; a dataset that cannot be loaded is skipped
     with the reason (in results), so one missing download does not stop the evaluation."""
     out = []

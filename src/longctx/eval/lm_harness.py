@@ -8,7 +8,7 @@ import torch
 from lm_eval.api.model import LM
 from tqdm import tqdm
 
-from ..config import EvalConfig
+from ..config import EvalParams
 from ..data.tokenizer import TextTokenizer
 from ..model.decode import generate
 from ..model.transformer import Transformer
@@ -95,7 +95,7 @@ def evaluate(model: Transformer, tok: TextTokenizer, task_names: list[str], incl
             for name, metrics in result["results"].items()}
 
 
-def retention(results: dict, name: str, model: Transformer, tok: TextTokenizer, ec: EvalConfig) -> None:
+def retention(results: dict, name: str, model: Transformer, tok: TextTokenizer, ec: EvalParams) -> None:
     """Short-context retention of checkpoint `name` through lm-eval-harness; a task whose data
     cannot be had is reported as skipped with the reason, never as a score."""
     results.setdefault("lm_eval", {})[name] = {}

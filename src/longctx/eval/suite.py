@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from ..config import EvalConfig
+from ..config import EvalParams
 from ..data.loader import PackedDataset
 from ..data.tokenizer import TextTokenizer
 from ..errors import ConfigError, DataError
@@ -173,7 +173,7 @@ def windows(folders: dict[str, Path], tok: TextTokenizer, tok_folder: Path,
 
 
 def perplexities(results: dict, name: str, model: Transformer, data: PackedDataset, tok: TextTokenizer,
-                 ec: EvalConfig) -> list[dict]:
+                 ec: EvalParams) -> list[dict]:
     """Per-position loss at the longest length documents reach, perplexity and needle perplexity
     at every eval length documents reach (inside and beyond the training window), into `results`
     under `name`; returns the smoothed per-position loss as rows (a CSV and a plot)."""
@@ -200,7 +200,7 @@ def perplexities(results: dict, name: str, model: Transformer, data: PackedDatas
     return curve
 
 
-def evaluate(results: dict, name: str, model: Transformer, folder: Path, enc: Encoder, ec: EvalConfig,
+def evaluate(results: dict, name: str, model: Transformer, folder: Path, enc: Encoder, ec: EvalParams,
              data: PackedDataset, haystack: str, window: int | None,
              short: PackedDataset | None) -> tuple[list[dict], list[dict]]:
     """Everything measured on one checkpoint, into `results` under `name`: the task prompts at the

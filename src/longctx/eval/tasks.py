@@ -2,7 +2,7 @@
 
 Every task returns `Prompt`s: a long context, a question after it, the text the answer starts
 with, the gold answers and the metric of its source (metrics.py). `BUILDERS` is the one list of
-tasks; config.py names them in `EvalConfig.TASKS` (it imports no eval code) and this module
+tasks; config/schema.py names them in `EvalParams.TASKS` (it imports no eval code) and this module
 checks on import that the two agree.
 Lengths are in tokens of the evaluated model's tokenizer: the filler (noise sentences, real
 validation text, JSON pairs, list words, demonstrations) grows until the prompt reaches it.
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..config import EvalConfig
+from ..config import EvalParams
 from .metrics import METRICS
 
 NOISE = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ")
@@ -276,7 +276,7 @@ BUILDERS: dict[str, Builder] = {
 }
 TASKS = tuple(BUILDERS)
 """In this order: a task's index seeds its prompts."""
-assert TASKS == EvalConfig.TASKS, f"eval.tasks builds {TASKS}, config's EvalConfig.TASKS lists {EvalConfig.TASKS}"
+assert TASKS == EvalParams.TASKS, f"eval.tasks builds {TASKS}, config's EvalParams.TASKS lists {EvalParams.TASKS}"
 
 
 def build(task: str, budget: Budget, rng: np.random.Generator, depth: float, text_haystack: str) -> Prompt:

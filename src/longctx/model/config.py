@@ -7,7 +7,6 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-
 RopeType = Literal["default", "linear", "dynamic", "yarn", "llama3", "longrope"]
 Recompute = Literal["none", "full", "selective"]
 """Activation checkpointing of a block (model/recompute.py)."""
@@ -63,21 +62,28 @@ class FoxConfig(BaseModel):
     kv_shift: bool = True
 
 
-class ModelConfig(BaseModel):
+class Shape(BaseModel):
+    """A decoder's dimensions: what params give for a model trained from scratch (config's
+    ModelParams) and what every checkpoint records (ModelConfig)."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    vocab_size: int = Field(gt=0)
     d_model: int = Field(gt=0)
     n_layers: int = Field(gt=0)
     n_heads: int = Field(gt=0)
     n_kv_heads: int | None = Field(default=None, gt=0)
-    head_dim: int | None = Field(default=None, gt=0)
     ffn_dim: int = Field(gt=0)
-    norm_eps: float = Field(default=1e-5, gt=0)
+    max_position_embeddings: int = Field(default=4096, gt=0)
+    """The context window (for a base model, the original window L_train of RoPE scaling)."""
     tie_embeddings: bool = False
+
+
+class ModelConfig(Shape):
+    vocab_size: int = Field(gt=0)
+    head_dim: int | None = Field(default=None, gt=0)
+    norm_eps: float = Field(default=1e-5, gt=0)
     attention_bias: bool = False
     """Biases on q, k, v projections (Qwen2)."""
-    max_position_embeddings: int = Field(default=4096, gt=0)
     rope: RopeConfig | None = RopeConfig()
     """None: no position encoding (FoX's forget gate carries position)."""
     fox: FoxConfig | None = None

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import RopeSearchConfig
+from ..config import RopeSearchParams
 from ..data.loader import PackedDataset
 from ..data.tokenizer import TextTokenizer
 from ..eval import needle
@@ -39,7 +39,7 @@ class Comparison:
 Needles = tuple[list[needle.NeedleSequence], list[needle.NeedleSequence]]
 
 
-def needle_sets(data: PackedDataset, tok: TextTokenizer, space: Space, rs: RopeSearchConfig) -> Needles:
+def needle_sets(data: PackedDataset, tok: TextTokenizer, space: Space, rs: RopeSearchParams) -> Needles:
     """The needle sequences at the target length the search fits, and as many held out (raises
     DataError when the data has too few documents that long: before anything is written)."""
     both = needle.sequences(data, tok, space.target, rs.sequences + rs.table_sequences, rs.needle_depth, rs.seed)
@@ -47,7 +47,7 @@ def needle_sets(data: PackedDataset, tok: TextTokenizer, space: Space, rs: RopeS
 
 
 def search_and_compare(model: Transformer, space: Space, data: PackedDataset, tok: TextTokenizer,
-                       rs: RopeSearchConfig, needles: Needles, theta_change: float | None, lengths: list[int],
+                       rs: RopeSearchParams, needles: Needles, theta_change: float | None, lengths: list[int],
                        state_path: Path) -> Comparison:
     """Search factors on the first of `needles` (resuming from `state_path`), seeded with every
     baseline (`theta_change`: ProLong's base change, when pretraining uses one), then score all
@@ -82,7 +82,7 @@ def use_rope(model: Transformer, rope: RopeConfig, window: int) -> Transformer:
 
 def method_table(model: Transformer, ropes: dict[str, RopeConfig], space: Space, data: PackedDataset,
                  tok: TextTokenizer, lengths: list[int], fit_seqs: list[needle.NeedleSequence],
-                 held_out: list[needle.NeedleSequence], rs: RopeSearchConfig) -> list[dict]:
+                 held_out: list[needle.NeedleSequence], rs: RopeSearchParams) -> list[dict]:
     """Needle and plain perplexity of every method at every length, on the same sequences; at
     the target length also on the sequences the search fitted (`needle_ppl_search`)."""
     rows = []

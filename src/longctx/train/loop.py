@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from ..config import TrainConfig
+from ..config import RunParams
 from ..data.loader import PackedDataset
 from ..errors import LongctxError
 from ..model.config import ModelConfig
@@ -223,7 +223,7 @@ def _step_on_device(model: Transformer, opt: torch.optim.Optimizer, total: torch
     return StepResult(total, norm, valid)
 
 
-def prepare(model: Transformer, cfg: TrainConfig, par: Parallel) -> Transformer:
+def prepare(model: Transformer, cfg: RunParams, par: Parallel) -> Transformer:
     """The model as a training stage runs it: activation checkpointing, ACP, FSDP2 (mixed
     precision on GPUs, optional offload), compiled blocks on CUDA."""
     model.recompute = cfg.activation_checkpointing
@@ -234,7 +234,7 @@ def prepare(model: Transformer, cfg: TrainConfig, par: Parallel) -> Transformer:
     return model
 
 
-def train(model: Transformer, data: PackedDataset, cfg: TrainConfig, out: Path, tracker=None,
+def train(model: Transformer, data: PackedDataset, cfg: RunParams, out: Path, tracker=None,
           resume: bool = True, par: Parallel | None = None) -> dict:
     """Train for cfg.steps optimizer steps; checkpoints under out/checkpoints, one JSON line of
     metrics per step in out/metrics.jsonl. Resumes from the latest checkpoint when there is one.

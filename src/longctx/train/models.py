@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from ..config import ModelParams
 from ..errors import DataError
-from ..model.config import PRESETS, FoxConfig, ModelConfig, RopeConfig
+from ..model.config import PRESETS, FoxConfig, ModelConfig, RopeConfig, Shape
 from ..model.hf import load_hf, load_native, save_hf, save_native
 from ..model.rope import HF_KEYS, from_hf
 from ..model.transformer import Transformer
@@ -44,18 +44,11 @@ def preset(shape: str, arch: Literal["llama", "fox"] = "llama", window: int | No
 
 
 def base_config(params: ModelParams, vocab_size: int) -> ModelConfig:
-    return ModelConfig(
-        vocab_size=vocab_size,
-        d_model=params.d_model,
-        n_layers=params.n_layers,
-        n_heads=params.n_heads,
-        n_kv_heads=params.n_kv_heads,
-        ffn_dim=params.ffn_dim,
-        max_position_embeddings=params.max_position_embeddings,
-        tie_embeddings=params.tie_embeddings,
-        rope=None if params.arch == "fox" else RopeConfig(theta=params.rope_theta),
-        fox=params.fox if params.arch == "fox" else None,
-    )
+    """The ModelConfig a base model is built from: params' Shape as it is, the position encoding
+    and FoX components its arch asks for."""
+    return ModelConfig(vocab_size=vocab_size, **params.model_dump(include=set(Shape.model_fields)),
+                       rope=None if params.arch == "fox" else RopeConfig(theta=params.rope_theta),
+                       fox=params.fox if params.arch == "fox" else None)
 
 
 def base_model(params: ModelParams, vocab_size: int, seed: int, device: torch.device | str = "cpu") -> Transformer:

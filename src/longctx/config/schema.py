@@ -1,34 +1,24 @@
-"""Typed, validated params.
-
-A run's params are a named profile (``src/longctx/profiles/<name>.yaml``) with the sections of
-``params.yaml`` merged over it key by key (a ``null`` drops a key). Everything is validated
-before any work starts: unknown keys, wrong types and impossible values are errors that name
-the dotted key.
-"""
+"""The params schema: one class per section of params.yaml and what lies in it, each named
+<Thing>Params (the model's own settings, which checkpoints record, are model/config.py's
+*Config). Unknown keys, wrong types and impossible values fail validation; what ties sections
+together is checked by checks.py."""
 
 from __future__ import annotations
 
-import math
-from importlib import resources
-from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
-import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
     NonNegativeInt,
     PositiveInt,
-    ValidationError,
     field_validator,
     model_validator,
 )
 
-from .errors import ConfigError
-from .model.config import FoxConfig, Recompute
-
-SUM_TOLERANCE = 1e-6
+from ..model.config import FoxConfig, Recompute, Shape
+from .checks import consistent
 
 
 class Strict(BaseModel):
@@ -40,7 +30,7 @@ class Strict(BaseModel):
 BuiltinName = Literal["stdlib_repos", "stdlib_books", "stdlib_short", "stdlib_sft"]
 
 
-class SourceSpec(Strict):
+class SourceParams(Strict):
     """Where one stream of documents comes from: exactly one of path, hub, builtin."""
 
     path: str | None = None
@@ -68,7 +58,7 @@ class SourceSpec(Strict):
     """stdlib_repos: also read installed third-party packages as repositories."""
 
     @model_validator(mode="after")
-    def _one_origin(self) -> SourceSpec:
+    def _one_origin(self) -> SourceParams:
         given = [k for k in ("path", "hub", "builtin") if getattr(self, k) is not None]
         if len(given) != 1:
             raise ValueError(f"give exactly one of path, hub, builtin (got {given or 'none'})")
@@ -81,48 +71,48 @@ class SourceSpec(Strict):
         return self
 
 
-class DomainSpec(Strict):
+class DomainParams(Strict):
     kind: Literal["long", "short", "sft"]
     """long: filtered by length and cut into single-document chunks; short: packed with
     carry-over; sft: conversations packed with an assistant-only loss mask."""
-    sources: list[SourceSpec] = Field(min_length=1)
+    sources: list[SourceParams] = Field(min_length=1)
 
 
-class CorporaConfig(Strict):
+class CorporaParams(Strict):
     seed: int = 0
     invalid_utf8: Literal["replace", "reject"] = "replace"
     """Local files with bytes that are not UTF-8: replace them with U+FFFD (counted in the
     manifest) or reject the file."""
-    domains: dict[str, DomainSpec] = Field(min_length=1)
+    domains: dict[str, DomainParams] = Field(min_length=1)
 
 
 # ---------------------------------------------------------------- tokenize
 
 
-class TrainBPE(Strict):
+class BPEParams(Strict):
     vocab_size: int = Field(ge=300, le=1 << 20)
     min_frequency: PositiveInt = 2
     sample_bytes: PositiveInt = 20_000_000
     """Bytes of text (spread over domains) the tokenizer is trained on."""
 
 
-class TokenizerSpec(Strict):
+class TokenizerParams(Strict):
     path: str | None = None
     """A tokenizer directory (tokenizer.json [+ tokenizer_config.json]) or a hub model id."""
-    train: TrainBPE | None = None
+    train: BPEParams | None = None
     """Train a byte-level BPE on the corpus instead."""
     chat_template: str | None = None
     """Jinja chat template; overrides the tokenizer's own."""
 
     @model_validator(mode="after")
-    def _one(self) -> TokenizerSpec:
+    def _one(self) -> TokenizerParams:
         if (self.path is None) == (self.train is None):
             raise ValueError("give exactly one of path, train")
         return self
 
 
-class TokenizeConfig(Strict):
-    tokenizer: TokenizerSpec
+class TokenizeParams(Strict):
+    tokenizer: TokenizerParams
     dtype: Literal["auto", "uint16", "uint32"] = "auto"
     add_bos: bool = True
     add_eos: bool = True
@@ -137,7 +127,7 @@ class TokenizeConfig(Strict):
 # ---------------------------------------------------------------- pack
 
 
-class SplitSpec(Strict):
+class SplitParams(Strict):
     seq_len: PositiveInt
     chunk_len: PositiveInt | None = None
     """Length at which short and SFT data are packed and long documents are cut, unless
@@ -154,7 +144,7 @@ class SplitSpec(Strict):
         return self.chunk_len or self.seq_len
 
 
-class PackConfig(Strict):
+class PackParams(Strict):
     seed: int = 0
     val_fraction: float = Field(default=0.05, gt=0, lt=1)
     """Share of each domain's documents held out (chosen by a hash of the document id)."""
@@ -162,31 +152,26 @@ class PackConfig(Strict):
     """Largest allowed gap between achieved and requested share of any domain."""
     groups: dict[str, dict[str, float]] = Field(default_factory=dict)
     """Named sub-mixes (ProLong's ShortMix): group -> {domain: share}."""
-    splits: dict[str, SplitSpec] = Field(min_length=1)
+    splits: dict[str, SplitParams] = Field(min_length=1)
 
 
 # ---------------------------------------------------------------- model and training
 
 
-class ModelParams(Strict):
-    """The model the `base` stage trains (vocab_size comes from the tokenizer)."""
+class ModelParams(Strict, Shape):
+    """The model the `base` stage trains: its Shape (model/config.py, shared with every
+    checkpoint's ModelConfig) and how to build it (vocab_size comes from the tokenizer)."""
 
     arch: Literal["llama", "fox"] = "llama"
-    d_model: PositiveInt
-    n_layers: PositiveInt
-    n_heads: PositiveInt
-    n_kv_heads: PositiveInt | None = None
-    ffn_dim: PositiveInt
     max_position_embeddings: PositiveInt
     """The base model's context window (the original window L_train of RoPE scaling)."""
     rope_theta: float = Field(default=10000.0, gt=1)
     fox: FoxConfig = FoxConfig()
     """FoX (Pro) components, used when arch is fox."""
-    tie_embeddings: bool = False
     attention_backend: str = "auto"
 
 
-class TrainConfig(Strict):
+class RunParams(Strict):
     """One run of the training loop."""
 
     steps: PositiveInt
@@ -219,14 +204,14 @@ class TrainConfig(Strict):
     """Ranks that share each sequence (Ulysses); must divide the world size and the heads."""
 
 
-class TrainStage(TrainConfig):
+class StageParams(RunParams):
     split: str
     """The packed split (pack.splits) it trains on."""
     val_sequences: PositiveInt = 64
     """Validation sequences scored at the end."""
 
 
-class PretrainStage(TrainStage):
+class PretrainStageParams(StageParams):
     rope_theta: float | None = Field(default=None, gt=1)
     """RoPE base for this stage (ProLong: 8e6 at 64K, 1.28e8 at 512K); null keeps the model's."""
 
@@ -238,15 +223,15 @@ class PretrainParams(Strict):
     """A LongRoPE factors JSON (HF longrope form), or "search" for the rope_search stage's output.
     Replaces the base change; documents within the original window keep the original RoPE (mixed
     context window)."""
-    stages: list[PretrainStage] = Field(min_length=1)
+    stages: list[PretrainStageParams] = Field(min_length=1)
 
 
 class TrainParams(Strict):
-    base: TrainStage | None = None
+    base: StageParams | None = None
     """Short-context training of a base model from scratch; null when pretrain starts from a
     pretrained checkpoint."""
     pretrain: PretrainParams
-    sft: TrainStage
+    sft: StageParams
     nproc: PositiveInt | Literal["auto"] = 1
     """Training processes on this machine (torchrun, one per GPU); "auto": one per visible GPU.
     Not a recipe parameter: the global batch is the same for any count."""
@@ -255,7 +240,7 @@ class TrainParams(Strict):
 # ---------------------------------------------------------------- rope_search
 
 
-class RopeSearchConfig(Strict):
+class RopeSearchParams(Strict):
     """LongRoPE2's factor search (the `rope_search` stage), run on the model pretrain starts from."""
 
     enabled: bool = True
@@ -297,7 +282,7 @@ class RopeSearchConfig(Strict):
 # ---------------------------------------------------------------- eval
 
 
-class HelmetSource(Strict):
+class HelmetParams(Strict):
     """One HELMET dataset: its kind, where its rows are (hub id, directory or JSON/JSONL file)."""
 
     kind: Literal["icl", "rag", "rerank", "narrativeqa", "summ"]
@@ -309,7 +294,7 @@ class HelmetSource(Strict):
     """Rows read (ICL demonstrations are drawn from them)."""
 
 
-class EvalConfig(Strict):
+class EvalParams(Strict):
     """The `eval` stage: every checkpoint the pipeline made, the same prompts for all."""
 
     TASKS: ClassVar[tuple[str, ...]] = (
@@ -333,7 +318,7 @@ class EvalConfig(Strict):
     """Short validation sequences for short-context perplexity."""
     retention_split: str | None = None
     """Packed split whose validation part measures retention; default the base split if any."""
-    helmet: dict[str, HelmetSource] = {}
+    helmet: dict[str, HelmetParams] = {}
     """HELMET dataset categories by name (e.g. trec, banking77, nq, msmarco, narrativeqa)."""
     lm_eval_tasks: list[str] = []
     """lm-eval-harness tasks for short-context retention (real profiles: hellaswag, arc_challenge,
@@ -360,7 +345,7 @@ class EvalConfig(Strict):
 # ---------------------------------------------------------------- tracking
 
 
-class TrackingConfig(Strict):
+class TrackingParams(Strict):
     enabled: bool = True
     uri: str | None = None
     """MLflow tracking URI; default: SQLite at <project>/mlflow.db. Env MLFLOW_TRACKING_URI wins."""
@@ -370,73 +355,20 @@ class TrackingConfig(Strict):
 # ---------------------------------------------------------------- the whole
 
 
-class Config(Strict):
+class Params(Strict):
     profile: str
-    corpora: CorporaConfig
-    tokenize: TokenizeConfig
-    pack: PackConfig
+    corpora: CorporaParams
+    tokenize: TokenizeParams
+    pack: PackParams
     model: ModelParams
     train: TrainParams
-    rope_search: RopeSearchConfig = RopeSearchConfig()
-    eval: EvalConfig = EvalConfig()
-    tracking: TrackingConfig = TrackingConfig()
+    rope_search: RopeSearchParams = RopeSearchParams()
+    eval: EvalParams = EvalParams()
+    tracking: TrackingParams = TrackingParams()
 
     @model_validator(mode="after")
-    def _consistent(self) -> Config:
-        domains = self.corpora.domains
-        for g, sub in self.pack.groups.items():
-            if g in domains:
-                raise ValueError(f"pack.groups.{g}: name is also a corpora domain")
-            _check_shares(f"pack.groups.{g}", sub)
-            for d in sub:
-                if d not in domains:
-                    raise ValueError(f"pack.groups.{g}.{d}: no such corpora domain")
-        for name, split in self.pack.splits.items():
-            where = f"pack.splits.{name}"
-            _check_shares(f"{where}.mix", split.mix)
-            base = split.base_len
-            if base > split.seq_len or split.seq_len % base:
-                raise ValueError(f"{where}.chunk_len: {base} must divide seq_len {split.seq_len}")
-            mix = self.flat_mix(name)
-            kinds = {domains[d].kind for d in mix}
-            if "sft" in kinds and len(kinds) > 1:
-                raise ValueError(f"{where}.mix: sft domains cannot be mixed with {kinds - {'sft'}}")
-            for d, shares in split.lengths.items():
-                if d not in mix:
-                    raise ValueError(f"{where}.lengths.{d}: not in this split's mix")
-                if domains[d].kind != "long":
-                    raise ValueError(f"{where}.lengths.{d}: only long domains take lengths")
-                _check_shares(f"{where}.lengths.{d}", shares)
-                for length in shares:
-                    if length <= 0 or length > split.seq_len or split.seq_len % length:
-                        raise ValueError(
-                            f"{where}.lengths.{d}.{length}: must be positive and divide "
-                            f"seq_len {split.seq_len}"
-                        )
-            for d in mix:
-                if domains[d].kind == "long":
-                    shortest = min(self.chunk_lengths(name, d))
-                    if self.tokenize.long_min_tokens > shortest:
-                        raise ValueError(
-                            f"tokenize.long_min_tokens: {self.tokenize.long_min_tokens} is above "
-                            f"the chunk length {shortest} of long domain {d} in {where}"
-                        )
-        if self.train.base is None and self.train.pretrain.init == "base":
-            raise ValueError("train.pretrain.init: 'base' needs a train.base section (or give a checkpoint dir)")
-        stages = [("train.sft", self.train.sft)] + ([("train.base", self.train.base)] if self.train.base else [])
-        stages += [(f"train.pretrain.stages.{i}", st) for i, st in enumerate(self.train.pretrain.stages)]
-        for where, stage in stages:
-            if stage.split not in self.pack.splits:
-                raise ValueError(f"{where}.split: {stage.split!r} is not a pack split ({sorted(self.pack.splits)})")
-        if self.eval.retention_split is not None and self.eval.retention_split not in self.pack.splits:
-            raise ValueError(f"eval.retention_split: {self.eval.retention_split!r} is not a pack split "
-                             f"({sorted(self.pack.splits)})")
-        rs = self.rope_search
-        if rs.split is not None and rs.split not in self.pack.splits:
-            raise ValueError(f"rope_search.split: {rs.split!r} is not a pack split ({sorted(self.pack.splits)})")
-        if rs.target_length and rs.original_window and rs.target_length <= rs.original_window:
-            raise ValueError(f"rope_search.target_length: {rs.target_length} must exceed the original window "
-                             f"{rs.original_window}")
+    def _consistent(self) -> Params:
+        consistent(self)
         return self
 
     def flat_mix(self, split: str) -> dict[str, float]:
@@ -456,126 +388,3 @@ class Config(Strict):
         """Chunk length -> share of the domain's tokens in this split."""
         spec = self.pack.splits[split]
         return spec.lengths.get(domain) or {spec.base_len: 1.0}
-
-
-def _check_shares(where: str, shares: dict[Any, float]) -> None:
-    if not shares:
-        raise ValueError(f"{where}: empty")
-    for k, v in shares.items():
-        if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
-            raise ValueError(f"{where}.{k}: share must be a positive number, got {v!r}")
-    total = sum(shares.values())
-    if abs(total - 1.0) > SUM_TOLERANCE:
-        raise ValueError(f"{where}: shares sum to {total:.6g}, must sum to 1")
-
-
-# ---------------------------------------------------------------- loading
-
-
-def profile_path(name: str) -> Path:
-    return Path(str(resources.files("longctx") / "profiles" / f"{name}.yaml"))
-
-
-def available_profiles() -> list[str]:
-    folder = Path(str(resources.files("longctx") / "profiles"))
-    return sorted(p.stem for p in folder.glob("*.yaml"))
-
-
-def merge(base: dict, over: dict) -> dict:
-    """Deep-merge `over` into a copy of `base`; dicts merge, other values replace, None drops, an
-    empty dict changes nothing. Keys match by their text, so a YAML `"8192"` overrides a
-    profile's `8192`."""
-    out = dict(base)
-    for k, v in over.items():
-        k = next((b for b in out if str(b) == str(k)), k)
-        if v == {}:
-            continue
-        if v is None:
-            out.pop(k, None)
-        elif isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = merge(out[k], v)
-        else:
-            out[k] = v
-    return out
-
-
-def _read_yaml(path: Path, what: str) -> dict:
-    if not path.is_file():
-        raise ConfigError(f"{path}: {what} not found")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from e
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: must be a mapping of sections, got {type(data).__name__}")
-    return data
-
-
-def resolve(overrides: dict, source: str = "params") -> Config:
-    """Profile + overrides -> validated Config. `source` names the overrides in errors."""
-    profile = overrides.get("profile", "tiny")
-    if not isinstance(profile, str) or profile not in available_profiles():
-        raise ConfigError(
-            f"{source}: profile: unknown profile {profile!r}; choose one of {available_profiles()}"
-        )
-    raw = merge(_read_yaml(profile_path(profile), f"profile {profile}"), overrides)
-    raw["profile"] = profile
-    try:
-        return Config.model_validate(raw)
-    except ValidationError as e:
-        raise ConfigError(f"{source}: " + _describe(e)) from None
-
-
-def load(path: str | Path = "params.yaml") -> Config:
-    path = Path(path)
-    return resolve(_read_yaml(path, "params file"), source=str(path))
-
-
-def _describe(e: ValidationError) -> str:
-    lines = []
-    for err in e.errors():
-        key = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-after"))
-        msg = err["msg"].removeprefix("Value error, ")
-        if err["type"] == "extra_forbidden":
-            msg = "unknown key"
-        lines.append(f"{key}: {msg}" if key else msg)
-    return "; ".join(lines)
-
-
-def flat(config: BaseModel, prefix: str = "") -> dict[str, Any]:
-    """Dotted key -> scalar, for experiment trackers."""
-    out: dict[str, Any] = {}
-
-    def walk(obj: Any, key: str) -> None:
-        if isinstance(obj, BaseModel):
-            obj = obj.model_dump()
-        if isinstance(obj, dict):
-            for k, v in obj.items():
-                walk(v, f"{key}.{k}" if key else str(k))
-        elif isinstance(obj, list):
-            for i, v in enumerate(obj):
-                walk(v, f"{key}.{i}")
-        else:
-            out[key] = obj
-
-    walk(config, prefix)
-    return out
-
-
-def main() -> None:
-    """`python -m longctx.config [params.yaml]`: print the params in force, profile merged in."""
-    import sys
-
-    path = sys.argv[1] if len(sys.argv) > 1 else "params.yaml"
-    try:
-        cfg = load(path)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    print(yaml.safe_dump(cfg.model_dump(mode="json", exclude_none=True), sort_keys=False), end="")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,85 @@
+"""Params from files: a named profile (src/longctx/profiles/<name>.yaml) with params.yaml's
+sections merged over it key by key (a null drops a key), validated before any work starts."""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+import yaml
+from pydantic import ValidationError
+
+from ..errors import ConfigError
+from .schema import Params
+
+
+def profile_path(name: str) -> Path:
+    return Path(str(resources.files("longctx") / "profiles" / f"{name}.yaml"))
+
+
+def available_profiles() -> list[str]:
+    folder = Path(str(resources.files("longctx") / "profiles"))
+    return sorted(p.stem for p in folder.glob("*.yaml"))
+
+
+def merge(base: dict, over: dict) -> dict:
+    """Deep-merge `over` into a copy of `base`; dicts merge, other values replace, None drops, an
+    empty dict changes nothing. Keys match by their text, so a YAML `"8192"` overrides a
+    profile's `8192`."""
+    out = dict(base)
+    for k, v in over.items():
+        k = next((b for b in out if str(b) == str(k)), k)
+        if v == {}:
+            continue
+        if v is None:
+            out.pop(k, None)
+        elif isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def _read_yaml(path: Path, what: str) -> dict:
+    if not path.is_file():
+        raise ConfigError(f"{path}: {what} not found")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from e
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: must be a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def resolve(overrides: dict, source: str = "params") -> Params:
+    """Profile + overrides -> validated Params. `source` names the overrides in errors."""
+    profile = overrides.get("profile", "tiny")
+    if not isinstance(profile, str) or profile not in available_profiles():
+        raise ConfigError(
+            f"{source}: profile: unknown profile {profile!r}; choose one of {available_profiles()}"
+        )
+    raw = merge(_read_yaml(profile_path(profile), f"profile {profile}"), overrides)
+    raw["profile"] = profile
+    try:
+        return Params.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(f"{source}: " + _describe(e)) from None
+
+
+def load(path: str | Path = "params.yaml") -> Params:
+    path = Path(path)
+    return resolve(_read_yaml(path, "params file"), source=str(path))
+
+
+def _describe(e: ValidationError) -> str:
+    lines = []
+    for err in e.errors():
+        key = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-after"))
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key"
+        lines.append(f"{key}: {msg}" if key else msg)
+    return "; ".join(lines)
