@@ -37,6 +37,10 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
+Heads = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+"""Attention's per-token projections: q, k, v, log forget gates, KV-shift's k and v gates."""
+
+
 class ShiftLinear(nn.Module):
     """FoX (Pro) KV-shift: y_t = a_t * W x_{t-1} + (1 - a_t) * W x_t, a_t = sigmoid(w . x_t) per
     head; at a document start the previous token is taken as zero. Split in a per-token part
@@ -93,25 +97,44 @@ class Attention(nn.Module):
             self.o_norm = RMSNorm(d, cfg.norm_eps)
 
     def forward(self, x: torch.Tensor, ctx: Context) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(output, ACP's [kept, total] tiles or None)."""
+        """(output, ACP's [kept, total] tiles or None): per-token projections, then the part that
+        needs the whole sequence, per head (under sequence parallelism it runs on every token of
+        1/sp of the heads, between the two exchanges), then the per-token output."""
+        heads = self.project(x)
+        if ctx.sp_group is not None:
+            heads = self._to_heads(heads, ctx.sp_group)
+        o, tiles = self.core(*heads, ctx)
+        o = ulysses.heads_to_seq(o, ctx.sp_group)
+        return self.output(o.reshape(x.shape[0], self.h * self.d), x), tiles
+
+    def project(self, x: torch.Tensor) -> Heads:
+        """q, k, v [N, heads, head_dim], FoX's log forget gates [N, h] and KV-shift's gates."""
         n = x.shape[0]
-        cache = ctx.cache[self.index] if ctx.cache is not None else None
-        shift = self.kv_shift
         q = self.q_proj(x).view(n, self.h, self.d)
-        if shift:
+        if self.kv_shift:
             (k, k_gate), (v, v_gate) = self.k_shift.project(x), self.v_shift.project(x)
         else:
             k = self.k_proj(x).view(n, self.hk, self.d)
             v = self.v_proj(x).view(n, self.hk, self.d)
             k_gate = v_gate = None
         log_f = F.logsigmoid(self.fgate(x).float()) if self.forget_gate else None
-        if ctx.sp_group is not None:
-            # from here to the output: every token of the document(s), 1/sp of the heads
-            if self.hk % dist.get_world_size(ctx.sp_group):
-                k, v, k_gate, v_gate = (_repeat_heads(t, self.h // self.hk) for t in (k, v, k_gate, v_gate))
-            q, k, v, log_f, k_gate, v_gate = (None if t is None else ulysses.seq_to_heads(t, ctx.sp_group)
-                                              for t in (q, k, v, log_f, k_gate, v_gate))
-        if shift:
+        return q, k, v, log_f, k_gate, v_gate
+
+    def _to_heads(self, heads: Heads, group) -> Heads:
+        """From 1/sp of the tokens with every head to every token with 1/sp of the heads."""
+        q, k, v, log_f, k_gate, v_gate = heads
+        if self.hk % dist.get_world_size(group):
+            k, v, k_gate, v_gate = (_repeat_heads(t, self.h // self.hk) for t in (k, v, k_gate, v_gate))
+        return tuple(None if t is None else ulysses.seq_to_heads(t, group)
+                     for t in (q, k, v, log_f, k_gate, v_gate))
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_f: torch.Tensor | None,
+             k_gate: torch.Tensor | None, v_gate: torch.Tensor | None,
+             ctx: Context) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """KV-shift, QK norms, RoPE, attention and the output norm over whole documents, per
+        head: (o [N, heads, head_dim], ACP's tiles or None)."""
+        cache = ctx.cache[self.index] if ctx.cache is not None else None
+        if self.kv_shift:
             k, k_last = self.k_shift.mix(k, k_gate, ctx.doc_start, cache.k_before if cache else None)
             v, v_last = self.v_shift.mix(v, v_gate, ctx.doc_start, cache.v_before if cache else None)
             if cache:
@@ -131,13 +154,13 @@ class Attention(nn.Module):
                                             logit_bound=self.logit_bound())
         else:
             o = ctx.attend(q, k, v, ctx.cu_seqlens, log_f)
-        if self.output_norm:
-            o = self.o_norm(o)
-        o = ulysses.heads_to_seq(o, ctx.sp_group).reshape(n, self.h * self.d)
+        return (self.o_norm(o) if self.output_norm else o), tiles
+
+    def output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The output gate (FoX (Pro), from the block's input x) and projection, per token."""
         if self.output_gate:
             o = o * torch.sigmoid(self.ogate(x))
-        return self.o_proj(o), tiles
-
+        return self.o_proj(o)
 
     def logit_bound(self) -> torch.Tensor | None:
         """U for ACP: with QK-norm |q.k| / sqrt(d) <= max|g_q| max|g_k| sqrt(d); without it None
