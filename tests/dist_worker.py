@@ -40,7 +40,7 @@ def gradients(model: Transformer, data: PackedDataset, par: parallel.Parallel, o
     valid = par.sum(sum(int((b.labels[lo:hi] != -100).sum()) for b, (lo, hi) in zip(batches, lo_hi, strict=True)))
     total = 0.0
     for b in batches:
-        loss = model(b.ids, b.cu_seqlens, sp_group=par.sp_group, labels=b.labels) / valid
+        loss = model(b.ids, b.cu_seqlens, labels=b.labels) / valid
         loss.backward()
         total += loss.item()
     total = par.sum(total)
@@ -62,6 +62,7 @@ def main(data_dir: str, out: str, arch: str, sp: int) -> None:
         out_dir.mkdir(parents=True, exist_ok=True)
     par.barrier()
     model = build(arch).to(par.device)
+    parallel.sequence_parallel(model, par.sp_group)
     parallel.shard(model, par)
     gradients(model, data, par, out_dir)
     cfg = RunParams(steps=3, micro_batch=1, grad_accum=4, lr=3e-3, sequence_parallel=sp, checkpoint_every=3)

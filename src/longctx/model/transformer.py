@@ -98,13 +98,9 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: Context) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(output, ACP's [kept, total] tiles or None): per-token projections, then the part that
-        needs the whole sequence, per head (under sequence parallelism it runs on every token of
-        1/sp of the heads, between the two exchanges), then the per-token output."""
-        heads = self.project(x)
-        if ctx.sp_group is not None:
-            heads = self._to_heads(heads, ctx.sp_group)
-        o, tiles = self.core(*heads, ctx)
-        o = ulysses.heads_to_seq(o, ctx.sp_group)
+        needs whole documents, per head (sequence parallelism wraps it in its exchanges:
+        train/parallel.py), then the per-token output."""
+        o, tiles = self.core(*self.project(x), ctx)
         return self.output(o.reshape(x.shape[0], self.h * self.d), x), tiles
 
     def project(self, x: torch.Tensor) -> Heads:
@@ -119,14 +115,6 @@ class Attention(nn.Module):
             k_gate = v_gate = None
         log_f = F.logsigmoid(self.fgate(x).float()) if self.forget_gate else None
         return q, k, v, log_f, k_gate, v_gate
-
-    def _to_heads(self, heads: Heads, group) -> Heads:
-        """From 1/sp of the tokens with every head to every token with 1/sp of the heads."""
-        q, k, v, log_f, k_gate, v_gate = heads
-        if self.hk % dist.get_world_size(group):
-            k, v, k_gate, v_gate = (_repeat_heads(t, self.h // self.hk) for t in (k, v, k_gate, v_gate))
-        return tuple(None if t is None else ulysses.seq_to_heads(t, group)
-                     for t in (q, k, v, log_f, k_gate, v_gate))
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_f: torch.Tensor | None,
              k_gate: torch.Tensor | None, v_gate: torch.Tensor | None,
@@ -171,12 +159,6 @@ class Attention(nn.Module):
         return gains.float() * self.d**0.5
 
 
-def _repeat_heads(t: torch.Tensor | None, times: int) -> torch.Tensor | None:
-    """Grouped KV heads repeated to one per query head (when the group size does not divide
-    the sequence-parallel size)."""
-    return None if t is None else t.repeat_interleave(times, dim=1)
-
-
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -213,13 +195,12 @@ class Block(nn.Module):
 class Context:
     """What every layer of one forward pass shares: boundaries, rotary tables, the backend (its
     plan bound), and when decoding, the per-layer caches (a cache holds one document). Boundaries,
-    tables and document starts cover all n tokens, also under sequence parallelism (`sp_group`)."""
+    tables and document starts cover all n tokens, also under sequence parallelism."""
 
-    def __init__(self, cu_seqlens: torch.Tensor, n: int, cos, sin, attend, cache=None, sp_group=None,
+    def __init__(self, cu_seqlens: torch.Tensor, n: int, cos, sin, attend, cache=None,
                  acp_eps: float | None = None):
         self.cu_seqlens = cu_seqlens
         self.acp_eps = acp_eps
-        self.sp_group = sp_group
         self.cos, self.sin = cos, sin
         self.attend = attend
         self.cache = cache
@@ -252,6 +233,9 @@ class Transformer(nn.Module):
         """Adaptive Computation Pruning in FoX attention (the 'fox' backend); stats in acp.stats."""
         self.compiled_loss = False
         """The loss's per-chunk math through torch.compile (set with the compiled blocks, CUDA)."""
+        self.sp_group: dist.ProcessGroup | None = None
+        """The ranks that share each sequence (Ulysses; train/parallel.sequence_parallel sets it
+        and wraps every attention core in the exchanges)."""
         self.reset_parameters()
 
     def tie_weights(self) -> None:
@@ -311,17 +295,17 @@ class Transformer(nn.Module):
         return cos[None], sin[None]
 
     def hidden(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | list[int] | None = None,
-               position_ids: torch.Tensor | None = None, cache=None, sp_group=None) -> torch.Tensor:
+               position_ids: torch.Tensor | None = None, cache=None) -> torch.Tensor:
         """Final hidden states [N, d_model] for packed ids [N] (or a batch [B, T], flattened).
         `cu_seqlens` may be on the host (a list, or a CPU tensor where no FSDP root moves it):
         backends that size kernels or route documents by length then read it there, with no sync.
-        With a `decode.Cache`, ids continue the single document the cache holds. With a
-        sequence-parallel group, every rank passes the whole micro-batch and gets the hidden
-        states of its own slice, `ulysses.bounds(N, sp_group)`."""
+        With a `decode.Cache`, ids continue the single document the cache holds. Under sequence
+        parallelism (`sp_group`, set by train/parallel.py), every rank passes the whole
+        micro-batch and gets the hidden states of its own slice, `ulysses.bounds(N, sp_group)`."""
         ids = input_ids.reshape(-1)
         n, device = ids.numel(), ids.device
         if cache is not None:
-            if sp_group is not None:
+            if self.sp_group is not None:
                 raise ValueError("decoding with a cache runs without sequence parallelism")
             cu_seqlens = torch.tensor([0, n], dtype=torch.int32)
             position_ids = torch.arange(cache.length, cache.length + n, device=device)
@@ -334,7 +318,7 @@ class Transformer(nn.Module):
         if position_ids is None:
             position_ids = (packed_positions(cu_seqlens, n) if self.cfg.reset_position_ids
                             else torch.arange(n, device=device) % input_ids.shape[-1])
-        lo, hi = ulysses.bounds(n, sp_group)
+        lo, hi = ulysses.bounds(n, self.sp_group)
         x = self.embed_tokens(ids[lo:hi])
         cos, sin = self.rotary(position_ids.reshape(-1), cu_seqlens, x.dtype)
         name = attention.resolve(self.attention_backend, device, self.cfg.fox is not None)
@@ -347,7 +331,7 @@ class Transformer(nn.Module):
         if plan is not None:
             attend = functools.partial(attend, plan=plan)
         acp_eps = self.acp.eps if self.acp is not None and cache is None else None
-        ctx = Context(cu_seqlens, n, cos, sin, attend, cache, sp_group, acp_eps)
+        ctx = Context(cu_seqlens, n, cos, sin, attend, cache, acp_eps)
         tiles = []
         for layer in self.layers:
             x, counts = layer(x, ctx)
@@ -360,14 +344,14 @@ class Transformer(nn.Module):
         return self.norm(x)
 
     def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | list[int] | None = None,
-                position_ids: torch.Tensor | None = None, cache=None, sp_group=None,
+                position_ids: torch.Tensor | None = None, cache=None,
                 labels: torch.Tensor | None = None, loss_chunk: int = 2048) -> torch.Tensor:
         """Logits [N, vocab]; or, given labels [N] (IGNORE where no loss), the summed next-token
         loss of this rank's tokens, computed in chunks so N x vocab logits never exist. The loss
         goes through forward (not `hidden` + the head outside) so that FSDP gathers the head."""
-        hidden = self.hidden(input_ids, cu_seqlens, position_ids, cache, sp_group)
+        hidden = self.hidden(input_ids, cu_seqlens, position_ids, cache)
         if labels is None:
             return self.lm_head(hidden)
-        lo, hi = ulysses.bounds(labels.numel(), sp_group)
+        lo, hi = ulysses.bounds(labels.numel(), self.sp_group)
         labels = to_device(labels.reshape(-1)[lo:hi], hidden.device)
         return chunked_cross_entropy(hidden, self.lm_head.weight, labels, loss_chunk, compiled=self.compiled_loss)

@@ -35,7 +35,7 @@ from ..model.transformer import Transformer
 from . import checkpoint
 from .compiled import compile_blocks
 from .optim import adamw, lr_at
-from .parallel import Parallel, check_layout, shard, sharded, with_sequence_parallel
+from .parallel import Parallel, check_layout, sequence_parallel, shard, sharded, with_sequence_parallel
 
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12}
 MATMUL_BF16_FLOPS = {"H100": 790e12, "H200": 790e12}
@@ -179,7 +179,7 @@ def train_step(model: Transformer, opt: torch.optim.Optimizer, micro: list[Batch
     total = torch.zeros((), device=par.device)  # summed on the device: no wait between micro-batches
     for b in micro:
         with autocast(model, par.device):
-            loss = model(b.ids, b.cu_seqlens.tolist(), sp_group=par.sp_group, labels=b.labels,
+            loss = model(b.ids, b.cu_seqlens.tolist(), labels=b.labels,
                          loss_chunk=loss_chunk) / max(valid, 1)
             loss.backward()
         total += loss.detach().float()
@@ -224,10 +224,11 @@ def _step_on_device(model: Transformer, opt: torch.optim.Optimizer, total: torch
 
 
 def prepare(model: Transformer, cfg: RunParams, par: Parallel) -> Transformer:
-    """The model as a training stage runs it: activation checkpointing, ACP, FSDP2 (mixed
-    precision on GPUs, optional offload), compiled blocks on CUDA."""
+    """The model as a training stage runs it: activation checkpointing, ACP, sequence parallelism
+    (`par.sp_group`), FSDP2 (mixed precision on GPUs, optional offload), compiled blocks on CUDA."""
     model.recompute = cfg.activation_checkpointing
     model.acp = Acp(cfg.acp_eps) if cfg.acp_eps else None
+    sequence_parallel(model, par.sp_group)
     shard(model, par, offload=cfg.offload)
     if cfg.compile and par.device.type == "cuda":
         compile_blocks(model)
@@ -317,7 +318,7 @@ def mean_loss(model: Transformer, data: PackedDataset, sequences: int, loss_chun
     for i in range(par.dp_rank, min(sequences, len(data)), par.dp):
         b = make_batch(data, [i], par.device, par.sp)
         with autocast(model, par.device):
-            total += float(model(b.ids, b.cu_seqlens.tolist(), sp_group=par.sp_group, labels=b.labels,
+            total += float(model(b.ids, b.cu_seqlens.tolist(), labels=b.labels,
                                  loss_chunk=loss_chunk))
         valid += b.valid if par.sp_rank == 0 else 0  # each sequence-parallel group counts once
     return par.sum(total) / max(par.sum(valid), 1)

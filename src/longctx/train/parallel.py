@@ -2,8 +2,8 @@
 
 A world of W ranks is split into W / sp data-parallel replicas of `sp` consecutive ranks. The
 ranks of one sequence-parallel group read the same micro-batch and each embed 1/sp of its
-tokens; around attention an all-to-all trades that token split for a head split (every rank
-then holds every token of 1/sp of the heads), and back after it (models/transformer.py).
+tokens; around each attention core an all-to-all trades that token split for a head split
+(every rank then holds every token of 1/sp of the heads), and back after it (`sequence_parallel`).
 FSDP2 shards parameters and optimizer state over all W ranks; gradients are summed, not
 averaged, because every rank's loss is already divided by the step's global valid-token count.
 On GPUs it is also the mixed precision: fp32 master weights, gradients and optimizer state
@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError
+from ..model import ulysses
 from ..model.transformer import Transformer
 from .precision import attach
 
@@ -114,6 +115,34 @@ def with_sequence_parallel(par: Parallel, sp: int, n_heads: int) -> Parallel:
     if sp > 1:
         group, _ = dist.new_subgroups(group_size=sp)
     return Parallel(rank=par.rank, world=par.world, sp=sp, sp_group=group, device=par.device)
+
+
+def sequence_parallel(model: Transformer, group: dist.ProcessGroup | None) -> Transformer:
+    """Ulysses over `group` (None: nothing to do): every rank embeds 1/sp of each sequence's
+    tokens, and each attention core, which needs whole documents, is wrapped in the all-to-alls
+    that give it every token of 1/sp of the heads and take its output back. Applied once."""
+    if group is None or model.sp_group is not None:
+        return model
+    model.sp_group = group
+    for block in model.layers:
+        block.self_attn.core = _exchanged(block.self_attn, group)
+    return model
+
+
+def _exchanged(attn, group: dist.ProcessGroup):
+    core = attn.core
+    # grouped KV heads repeated to one per query head when the groups do not split over the ranks
+    repeat = attn.h // attn.hk if attn.hk % dist.get_world_size(group) else 1
+
+    def exchanged(q, k, v, log_f, k_gate, v_gate, ctx):
+        if repeat > 1:
+            k, v, k_gate, v_gate = (None if t is None else t.repeat_interleave(repeat, dim=1)
+                                    for t in (k, v, k_gate, v_gate))
+        heads = (None if t is None else ulysses.seq_to_heads(t, group) for t in (q, k, v, log_f, k_gate, v_gate))
+        o, tiles = core(*heads, ctx)
+        return ulysses.heads_to_seq(o, group), tiles
+
+    return exchanged
 
 
 def _world_of_one(device: torch.device) -> None:
