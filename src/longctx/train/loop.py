@@ -157,6 +157,12 @@ def autocast(model: torch.nn.Module, device: torch.device):
     return torch.autocast("cuda", dtype=torch.bfloat16)
 
 
+def _check_group(model: Transformer, par: Parallel) -> None:
+    """The model splits sequences over the ranks `par` counts tokens over (prepare applies it)."""
+    if model.sp_group is not par.sp_group:
+        raise ValueError("the model's sequence-parallel group is not this run's: prepare(model, cfg, par) first")
+
+
 def step_valid(micro: list[Batch], par: Parallel) -> int:
     """Valid tokens of a step over all ranks (each sequence-parallel group counted once)."""
     return int(par.sum(sum(b.valid for b in micro) if par.sp_rank == 0 else 0))
@@ -175,6 +181,7 @@ def train_step(model: Transformer, opt: torch.optim.Optimizer, micro: list[Batch
     mean over the step's valid tokens on all ranks, gradients clipped to `clip`, the update.
     Raises TrainingDiverged, without updating, when the loss or the gradient norm is not finite.
     What the training stages and every benchmark run."""
+    _check_group(model, par)
     valid = step_valid(micro, par)
     total = torch.zeros((), device=par.device)  # summed on the device: no wait between micro-batches
     for b in micro:
@@ -314,6 +321,7 @@ def mean_loss(model: Transformer, data: PackedDataset, sequences: int, loss_chun
     """Mean next-token loss over the valid tokens of the first `sequences` sequences (spread over
     the data-parallel replicas; the result is the same on every rank)."""
     par = par or Parallel(device=next(model.parameters()).device)
+    _check_group(model, par)
     total, valid = 0.0, 0
     for i in range(par.dp_rank, min(sequences, len(data)), par.dp):
         b = make_batch(data, [i], par.device, par.sp)
