@@ -194,14 +194,10 @@ def train_step(model: Transformer, opt: torch.optim.Optimizer, micro: list[Batch
     if opt.defaults.get("fused") and not par.distributed and os.environ.get("LONGCTX_STEP_END") != "host":
         return _step_on_device(model, opt, total, clip, valid)
     total = par.sum(float(total))
-    if not math.isfinite(total):
-        opt.zero_grad(set_to_none=True)
-        raise TrainingDiverged(f"loss is {total}")
+    _check_finite(total, 0.0, opt)  # before clipping: a NaN loss makes a NaN norm
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
     grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-    if not math.isfinite(grad_norm):
-        opt.zero_grad(set_to_none=True)
-        raise TrainingDiverged(f"gradient norm is {grad_norm}")
+    _check_finite(total, grad_norm, opt)
     opt.step()
     opt.zero_grad(set_to_none=True)
     return StepResult(total, grad_norm, valid)
@@ -221,13 +217,18 @@ def _step_on_device(model: Transformer, opt: torch.optim.Optimizer, total: torch
         opt.step()
     finally:
         del opt.found_inf, opt.grad_scale
-    opt.zero_grad(set_to_none=True)
     total, norm = float(total), float(norm)
-    if not math.isfinite(total):
-        raise TrainingDiverged(f"loss is {total}")
-    if not math.isfinite(norm):
-        raise TrainingDiverged(f"gradient norm is {norm}")
+    _check_finite(total, norm, opt)
+    opt.zero_grad(set_to_none=True)
     return StepResult(total, norm, valid)
+
+
+def _check_finite(loss: float, norm: float, opt: torch.optim.Optimizer) -> None:
+    """Raise TrainingDiverged, the step's gradients dropped, on a non-finite loss or norm."""
+    for what, value in (("loss", loss), ("gradient norm", norm)):
+        if not math.isfinite(value):
+            opt.zero_grad(set_to_none=True)
+            raise TrainingDiverged(f"{what} is {value}")
 
 
 def prepare(model: Transformer, cfg: RunParams, par: Parallel) -> Transformer:
