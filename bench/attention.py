@@ -126,23 +126,35 @@ def runners(t: int, d: int, q, k, v, log_f, do, acp: Acp):
 
 
 def profile(lengths: list[int], dims: list[int], width: int, gates: torch.Tensor | None) -> None:
-    """Where the time goes: CUDA time per kernel over 5 calls of fox and fox_acp."""
+    """Where the time goes, per call of fox and fox_acp: wall ms (events, back to back as timed)
+    against the sum of its kernels' ms (the difference is the GPU waiting on the host), the
+    launches per call, and the costliest kernels."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
+    calls = 5
     for d in dims:
         for t in lengths:
             run = runners(t, d, *inputs(t, width // d, d, gates, seed=t + d), Acp())
-            for name in ("fox", "fox_acp"):
+            for name in ("sdpa", "fox", "fox_acp"):
                 for _ in range(3):
                     run[name]()
                 torch.cuda.synchronize()
-                with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-                    for _ in range(5):
+                with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    begin.record()
+                    for _ in range(calls):
                         run[name]()
+                    end.record()
                     torch.cuda.synchronize()
-                print(f"== {name} T={t} D={d}: CUDA time of 5 calls")
-                print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
+                kernels = [e for e in prof.key_averages()
+                           if str(e.device_type).endswith("CUDA") and e.self_device_time_total and "#" not in e.key]
+                busy = sum(e.self_device_time_total for e in kernels) / 1e3 / calls
+                launches = sum(e.count for e in kernels) / calls
+                print(f"== {name} T={t} D={d}: wall {begin.elapsed_time(end) / calls:.3f} ms per call (profiled), "
+                      f"kernels {busy:.3f} ms, {launches:.0f} launches")
+                for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:10]:
+                    print(f"   {e.self_device_time_total / 1e3 / calls:8.3f} ms  x{e.count // calls:<3} {e.key[:90]}")
 
 
 def cell(row: dict, key: str, width: int = 8) -> str:
