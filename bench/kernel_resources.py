@@ -14,6 +14,7 @@ import os
 os.environ.pop("TRITON_INTERPRET", None)  # compile for the GPU even where tests interpret kernels
 
 import argparse  # noqa: E402
+import itertools  # noqa: E402
 import re  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
@@ -33,18 +34,25 @@ SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448}
 # argument types by name: 16-bit activations, fp32 decay / statistics, int32 bounds
 POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "OUT": "*bf16", "DO": "*bf16", "DQ": "*bf16", "DK": "*bf16",
             "DV": "*bf16", "LAM": "*fp32", "ROW": "*fp32", "DELTA": "*fp32", "LSE": "*fp32", "DLQ": "*fp32",
-            "DLK": "*fp32", "START": "*i32", "END": "*i32", "KSTART": "*i32", "QEND": "*i32", "scale": "fp32",
-            "sm_scale": "fp32"}
+            "DLAM": "*fp32", "START": "*i32", "END": "*i32", "KSTART": "*i32", "QEND": "*i32", "scale": "fp32",
+            "sm_scale": "fp32", "O": "*bf16", "LOGF": "*fp32", "DLOGF": "*fp32", "CU": "*i32", "TILES": "*i32"}
 KERNELS = {"fwd": (fk._fwd_kernel, fk.FWD_OPTIONS), "dq": (fk._dq_kernel, fk.DQ_OPTIONS),
-           "dkdv": (fk._dkdv_kernel, fk.DKDV_OPTIONS), "bounds": (fk._bounds_kernel, [(0, 0, 4, 1)])}
+           "dkdv": (fk._dkdv_kernel, fk.DKDV_OPTIONS), "bounds": (fk._bounds_kernel, [(0, 0, 1, 1)]),
+           "prepare": (fk._prepare_kernel, [(0, 0, 4, 1)]), "dlogf": (fk._dlogf_kernel, [(0, 0, 4, 1)]),
+           "bwd_prep": (fk._bwd_prep_kernel, [(0, 0, 4, 1)])}
+SMALL = {"bounds": {"ACP": True, "T": fk.TILE}, "prepare": {"DECAY": True, "BLOCK": fk._SCAN_BLOCK, "T": fk.TILE},
+         "dlogf": {"BLOCK": fk._SCAN_BLOCK}, "bwd_prep": {"BLOCK": 64}}
+"""The small kernels around the three attention kernels: no tiles to tune, one shape each."""
 
 
-def compile_kernel(fn, constants: dict, warps: int, stages: int, arch: int):
-    """Compile `fn` for compute capability `arch` with the given constexpr values."""
+def compile_kernel(fn, constants: dict, warps: int, stages: int, arch: int, types: dict | None = None):
+    """Compile `fn` for compute capability `arch` with the given constexpr values (and argument
+    types that differ from POINTERS)."""
     missing = {fn.arg_names[i] for i in fn.constexprs} - set(constants)
     if missing:
         raise ValueError(f"{fn.__name__}: no value for constexpr {sorted(missing)}")
-    signature = {name: "constexpr" if i in fn.constexprs else POINTERS.get(name, "i32")
+    types = POINTERS | (types or {})
+    signature = {name: "constexpr" if i in fn.constexprs else types.get(name, "i32")
                  for i, name in enumerate(fn.arg_names)}
     src = ASTSource(fn=fn, signature=signature,
                     constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()})
@@ -69,15 +77,23 @@ def ptxas_report(ptx: str, arch: int) -> dict:
     return {"registers": int(regs[1]), "spill_stores": int(spills[1]), "spill_loads": int(spills[2])}
 
 
-def measure(kernel: str, d: int, groups: int, option: tuple[int, int, int, int], arch: int) -> dict:
+def measure(kernel: str, d: int, groups: int, option: tuple[int, int, int, int], arch: int, variant: str) -> dict:
     fn, _ = KERNELS[kernel]
     bm, bn, warps, stages = option
-    if kernel == "bounds":
-        constants = {"ACP": True, "T": fk.TILE}
+    split, atomic = fk.VARIANTS[variant]
+    types = {}
+    if kernel == "bwd_prep":
+        constants = SMALL[kernel] | {"D": d}
+    elif kernel in SMALL:
+        constants = SMALL[kernel]
     else:
-        constants = {"GROUPS": groups, "D": d, "BM": bm, "BN": bn, "T": fk.TILE, "PREC": "tf32"}
-    compiled = compile_kernel(fn, constants, warps, stages, arch)
-    row = {"kernel": kernel, "D": d, "groups": groups, "BM": bm, "BN": bn, "warps": warps, "stages": stages,
+        constants = {"GROUPS": groups, "D": d, "BM": bm, "BN": bn, "T": fk.TILE, "PREC": "tf32", "SPLIT": split}
+    if kernel == "dkdv":
+        constants["ATOMIC"] = atomic
+        types = {"DQ": "*fp32"} if atomic else {}
+    compiled = compile_kernel(fn, constants, warps, stages, arch, types)
+    row = {"kernel": kernel, "variant": variant, "D": d, "groups": groups, "BM": bm, "BN": bn, "warps": warps,
+           "stages": stages,
            **ptxas_report(compiled.asm["ptx"], arch), "shared_bytes": compiled.metadata.shared}
     row["fits"] = row["shared_bytes"] <= SHARED_LIMIT[arch]
     return row
@@ -89,6 +105,7 @@ def main() -> None:
     ap.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=list(KERNELS))
     ap.add_argument("--dims", type=int, nargs="+", default=[64, 128], help="(padded) head dims")
     ap.add_argument("--groups", type=int, nargs="+", default=[1], help="query heads per KV head")
+    ap.add_argument("--variants", nargs="+", default=list(fk.VARIANTS), choices=list(fk.VARIANTS))
     ap.add_argument("--first", action="store_true", help="only each kernel's first (untuned default) option")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     args = ap.parse_args()
@@ -97,16 +114,21 @@ def main() -> None:
             ap.error(f"--dims: {d} is not a power of two >= 16 (the kernels pad head dims to one)")
 
     rows = []
-    print(f"{'kernel':<7} {'D':>4} {'grp':>3} {'BM':>4} {'BN':>4} {'warps':>5} {'stages':>6} {'regs':>5} "
+    print(f"{'kernel':<7} {'variant':<7} {'D':>4} {'grp':>3} {'BM':>4} {'BN':>4} {'warps':>5} {'stages':>6} "
+          f"{'regs':>5} "
           f"{'spill st':>8} {'spill ld':>8} {'smem KiB':>8}")
-    for kernel in args.kernels:
+    for kernel, variant in itertools.product(args.kernels, args.variants):
+        if (kernel in SMALL and variant != args.variants[0]) or (kernel == "dq" and fk.VARIANTS[variant][1]):
+            continue  # the small kernels have no variants; the atomic variant has no dq kernel
         options = KERNELS[kernel][1][:1] if args.first else KERNELS[kernel][1]
-        shapes = [(0, 1)] if kernel == "bounds" else [(d, g) for d in args.dims for g in args.groups]
+        shapes = [(d, 1) for d in args.dims] if kernel == "bwd_prep" else [(0, 1)] if kernel in SMALL \
+            else [(d, g) for d in args.dims for g in args.groups]
         for d, groups in shapes:
             for option in options:
-                r = measure(kernel, d, groups, option, args.arch)
+                r = measure(kernel, d, groups, option, args.arch, variant)
                 rows.append(r)
-                print(f"{kernel:<7} {d:>4} {groups:>3} {r['BM']:>4} {r['BN']:>4} {r['warps']:>5} {r['stages']:>6} "
+                print(f"{kernel:<7} {variant:<7} {d:>4} {groups:>3} {r['BM']:>4} {r['BN']:>4} {r['warps']:>5} "
+                      f"{r['stages']:>6} "
                       f"{r['registers']:>5} {r['spill_stores']:>8} {r['spill_loads']:>8} "
                       f"{r['shared_bytes'] / 1024:>8.1f}{'' if r['fits'] else '  too much shared memory'}",
                       flush=True)

@@ -53,15 +53,16 @@ def expected(q, k, v, log_f, cu, do):
     return out, torch.autograd.grad(out, leaves, do.double())
 
 
+@pytest.mark.parametrize("variant", list(fk.VARIANTS))
 @pytest.mark.parametrize("h,hk,d,docs", [(4, 4, 64, 1), (4, 2, 128, 5), (6, 1, 64, 9), (2, 2, 40, 3)])
-def test_matches_reference(h, hk, d, docs):
+def test_matches_reference(h, hk, d, docs, variant):
     gen = torch.Generator().manual_seed(1000 * h + 10 * d + docs)
     n = SIZE + int(torch.randint(0, 100, (1,), generator=gen))  # not a multiple of any block
     q, k, v = (torch.randn(n, x, d, generator=gen).to(DEV, DTYPE) for x in (h, hk, hk))
     log_f = F.logsigmoid(torch.randn(n, h, generator=gen) * 2 + 4).to(DEV)
     do = torch.randn(n, h, d, generator=gen).to(DEV, DTYPE)
     cu = split(n, docs, gen)
-    out, grads = run(q, k, v, log_f, cu, do)
+    out, grads = run(q, k, v, log_f, cu, do, variant=variant)
     ref, ref_grads = expected(q, k, v, log_f, cu, do)
     assert torch.isfinite(out).all()
     assert rel(out, ref) <= TOL
@@ -89,8 +90,9 @@ def decaying(n: int, h: int, d: int, gen: torch.Generator, normalised: bool):
     return q.to(DEV, DTYPE), k.to(DEV, DTYPE), v.to(DEV, DTYPE), log_f.to(DEV)
 
 
+@pytest.mark.parametrize("variant", list(fk.VARIANTS))
 @pytest.mark.parametrize("normalised", [True, False])
-def test_acp_prunes_at_most_eps_per_row(normalised):
+def test_acp_prunes_at_most_eps_per_row(normalised, variant):
     gen = torch.Generator().manual_seed(11 + normalised)
     n, h, d = (2 * SIZE if CUDA else 1024), 4, 64
     q, k, v, log_f = decaying(n, h, d, gen, normalised)
@@ -98,7 +100,7 @@ def test_acp_prunes_at_most_eps_per_row(normalised):
     do = torch.randn(n, h, d, generator=gen).to(DEV, DTYPE)
     acp = Acp()
     bound = math.sqrt(d) if normalised else None  # gains 1: U = sqrt(d); else from max norms
-    out, grads = run(q, k, v, log_f, cu, do, acp=acp, logit_bound=bound)
+    out, grads = run(q, k, v, log_f, cu, do, acp=acp, logit_bound=bound, variant=variant)
     pruned = acp.stats.pruned_fraction()
     assert pruned > (0.3 if normalised else 0.1), pruned  # max norms bound U more loosely than gains
 
@@ -106,10 +108,10 @@ def test_acp_prunes_at_most_eps_per_row(normalised):
     # most any kernel skips
     scale = d**-0.5
     lam = doc_cumsum(log_f.double(), cu)
-    start, _ = fk.doc_bounds(cu, n)
+    _, start, _, _, _ = fk.prepare(None, cu, n, 1)
     lam2 = (lam * fk.LOG2E).T.float().contiguous()
     delta = thresholds(q, k, scale, (cu[1:] - cu[:-1]).max(), acp.eps, bound)
-    kstart, _ = fk.bounds(lam2, delta, start)
+    kstart, _, _ = fk.bounds(lam2, delta, start)
     pos = torch.arange(n, device=DEV)
     logits = torch.einsum("qhd,khd->hqk", q.double(), k.double()) * scale + (lam.T[:, :, None] - lam.T[:, None, :])
     allowed = (pos[None, :] <= pos[:, None]) & (pos[None, :] >= start[:, None])
@@ -179,21 +181,47 @@ def test_bounds_search_matches_definition():
     n, h = 3000, 3
     log_f = F.logsigmoid(torch.randn(n, h, generator=gen) + torch.tensor([0.0, 2.0, 6.0]))
     cu = split(n, 6, gen)
-    lam2 = (doc_cumsum(log_f.to(DEV), cu) * fk.LOG2E).T.contiguous()
-    start, _ = fk.doc_bounds(cu, n)
+    lam2, start, _, free_kstart, free_qend = fk.prepare(log_f.to(DEV), cu, n, h)
     delta = torch.tensor([-20.0, -30.0, -5.0], device=DEV)
-    kstart, qend = fk.bounds(lam2, delta, start)
+    kstart, qend, tiles = fk.bounds(lam2, delta, start)
     want = brute_kstart(lam2.cpu(), delta.cpu() * fk.LOG2E, start.cpu())
     assert torch.equal(kstart.cpu(), want)
     assert (kstart[:, 1:] >= kstart[:, :-1]).all()  # one forward-moving pointer
     # qend: the first query tile that no longer visits each key tile
     nb = kstart.shape[1]
-    tiles = torch.arange(nb, device=DEV)
-    seen = (kstart[:, :, None] <= tiles[None, None, :]) & (tiles[None, :, None] >= tiles[None, None, :])
-    last_seen = torch.where(seen, tiles[None, :, None], -1).amax(1)  # [H, key tile]
+    tiles_ = torch.arange(nb, device=DEV)
+    seen = (kstart[:, :, None] <= tiles_[None, None, :]) & (tiles_[None, :, None] >= tiles_[None, None, :])
+    last_seen = torch.where(seen, tiles_[None, :, None], -1).amax(1)  # [H, key tile]
     assert torch.equal(qend.long()[last_seen >= 0], (last_seen + 1)[last_seen >= 0])
-    no_acp, _ = fk.bounds(lam2, None, start)
-    assert torch.equal(no_acp.cpu(), (start.cpu()[:: fk.TILE] // fk.TILE).expand(h, -1).to(torch.int32))
+    # kept and total causal tiles per head: the visited tiles, and those of the documents
+    first = (start[:: fk.TILE] // fk.TILE).long()
+    assert torch.equal(tiles[:, 0].long(), (tiles_ + 1 - kstart.long()).sum(1))
+    assert torch.equal(tiles[:, 1].long(), (tiles_ + 1 - first).sum().expand(h))
+    # without pruning: every query tile from its document's first tile, and prepare's bounds agree
+    no_acp, no_acp_qend, _ = fk.bounds(lam2, None, start)
+    assert torch.equal(no_acp.cpu(), first.cpu().expand(h, -1).to(torch.int32))
+    assert torch.equal(free_kstart, no_acp) and torch.equal(free_qend, no_acp_qend)
+
+
+# one document inside one scan block; seven across three blocks, starting on block edges
+# (1024, 2048), one of a single token
+@pytest.mark.parametrize("cuts", [[0, 700], [0, 5, 1024, 1500, 2048, 2049, 2300, 2600]])
+def test_prepare_is_the_document_cumsum_with_its_gradient(cuts):
+    gen = torch.Generator().manual_seed(len(cuts))
+    n, h = cuts[-1], 3
+    log_f = F.logsigmoid(torch.randn(n, h, generator=gen) + 2).to(DEV).requires_grad_()
+    cu = torch.tensor(cuts, dtype=torch.int32, device=DEV)
+    lam2, start, end, _, _ = fk.prepare(log_f, cu, n, h)
+    ref = doc_cumsum(log_f.double(), cu).T * fk.LOG2E
+    assert (lam2 - ref).abs().max() <= 1e-4 * ref.abs().max()
+    doc = torch.searchsorted(cu[1:].long(), torch.arange(n, device=DEV), right=True)
+    assert torch.equal(start, cu[doc].to(torch.int32)) and torch.equal(end, cu[doc + 1].to(torch.int32))
+    upstream = torch.randn(h, n, generator=gen).to(DEV)
+    got, = torch.autograd.grad(lam2, log_f, upstream)
+    want, = torch.autograd.grad(ref, log_f, upstream.double())
+    assert rel(got, want) <= 1e-5
+    no_decay, *_ = fk.prepare(None, cu, n, h)
+    assert not no_decay.any()
 
 
 def test_bad_heads_named():

@@ -25,23 +25,125 @@ import triton.language as tl
 
 from . import INTERPRET
 from .acp import Acp, thresholds
-from .reference import doc_cumsum
 
 TILE = 64
 LOG2E = 1.4426950408889634
+_SCAN_BLOCK = 1024  # tokens per step of the per-head scans (prepare, d log f)
 
 
 # ---------------------------------------------------------------------------------------------
-# bounds: one program per head, a single forward-moving pointer over key tiles (linear time)
+# what every call needs before the attention kernels, in one launch per direction: Lambda (the
+# per-document cumulative sum of log forget gates), each token's document start and end, and the
+# tile bounds without pruning (one program per head, the sequence in blocks, a carry between them)
+
+_LOG2E: tl.constexpr = tl.constexpr(LOG2E)
+
 
 @triton.jit
-def _bounds_kernel(LAM, DELTA, START, KSTART, QEND, N, NB, ACP: tl.constexpr, T: tl.constexpr):
+def _restart_add(first_a, a, first_b, b):
+    return first_a | first_b, tl.where(first_b != 0, b, a + b)
+
+
+@triton.jit
+def _segment_sums(x, first):
+    """Inclusive running sums of x that restart wherever `first` (int32) is set."""
+    return tl.associative_scan((first, x), 0, _restart_add)[1]
+
+
+@triton.jit
+def _doc_of(CU, idx, DOCS, STEPS):
+    """Index of the document holding each token in idx: binary search over cu_seqlens."""
+    lo = idx * 0
+    hi = lo + DOCS - 1
+    for _ in range(STEPS):
+        mid = (lo + hi + 1) // 2
+        right = tl.load(CU + mid) <= idx
+        lo = tl.where(right, mid, lo)
+        hi = tl.where(right, hi, mid - 1)
+    return lo
+
+
+@triton.jit
+def _prepare_kernel(LOGF, CU, LAM, START, END, KSTART, QEND, N, NB, DOCS, STEPS, sfn, sfh,
+                    DECAY: tl.constexpr, BLOCK: tl.constexpr, T: tl.constexpr):
+    h = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    tiles = tl.arange(0, BLOCK // T)
+    carry = 0.0  # Lambda at the end of the previous block
+    for b0 in range(0, N, BLOCK):
+        idx = b0 + offs
+        valid = idx < N
+        doc = _doc_of(CU, idx, DOCS, STEPS)
+        st = tl.load(CU + doc)
+        if h == 0:
+            tl.store(START + idx, st, mask=valid)
+            tl.store(END + idx, tl.load(CU + doc + 1), mask=valid)
+        # without pruning a query tile starts at its first row's document, and a key tile is
+        # visited up to the end of its last row's document
+        t = b0 // T + tiles
+        inside = t < NB
+        first = tl.load(CU + _doc_of(CU, t * T, DOCS, STEPS)) // T
+        last = tl.load(CU + _doc_of(CU, tl.minimum(t * T + T - 1, N - 1), DOCS, STEPS) + 1)
+        tl.store(KSTART + h * NB + t, first, mask=inside)
+        tl.store(QEND + h * NB + t, tl.cdiv(last, T), mask=inside)
+        if DECAY:
+            x = tl.load(LOGF + idx * sfn + h * sfh, mask=valid, other=0.0).to(tl.float32)
+            lam = _segment_sums(x, (idx == st).to(tl.int32))
+            lam += tl.where(st < b0, carry, 0.0)
+            carry = tl.sum(tl.where(offs == BLOCK - 1, lam, 0.0), 0)
+        else:
+            lam = tl.zeros([BLOCK], tl.float32)
+        tl.store(LAM + h * N + idx, lam * _LOG2E, mask=valid)
+
+
+@triton.jit
+def _dlogf_kernel(DLAM, END, DLOGF, N, sfn, sfh, BLOCK: tl.constexpr):
+    """d log f: dLambda (log2 units) summed from each token to its document's end, the blocks
+    walked from the sequence's end and read backwards, so the scan runs forward."""
+    h = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    carry = 0.0
+    for b in range(0, tl.cdiv(N, BLOCK)):
+        stop = N - b * BLOCK
+        idx = stop - 1 - offs
+        valid = idx >= 0
+        en = tl.load(END + idx, mask=valid, other=0)
+        g = tl.load(DLAM + h * N + idx, mask=valid, other=0.0) * _LOG2E
+        acc = _segment_sums(g, (idx == en - 1).to(tl.int32))
+        acc += tl.where(en > stop, carry, 0.0)
+        carry = tl.sum(tl.where(offs == BLOCK - 1, acc, 0.0), 0)
+        tl.store(DLOGF + idx * sfn + h * sfh, acc.to(DLOGF.dtype.element_ty), mask=valid)
+
+
+@triton.jit
+def _bwd_prep_kernel(DO, OUT, LAM, LSE, DELTA, ROW, N, sq, D: tl.constexpr, BLOCK: tl.constexpr):
+    """delta = rowsum(dO * O), and each row's Lambda minus its log-sum-exp (one add per logit
+    in the backward kernels instead of two)."""
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    h = tl.program_id(1)
+    valid = rows < N
+    offs = rows[:, None] * sq + h * D + tl.arange(0, D)[None, :]
+    do = tl.load(DO + offs, mask=valid[:, None], other=0.0).to(tl.float32)
+    o = tl.load(OUT + offs, mask=valid[:, None], other=0.0).to(tl.float32)
+    tl.store(DELTA + h * N + rows, tl.sum(do * o, 1), mask=valid)
+    lam = tl.load(LAM + h * N + rows, mask=valid, other=0.0)
+    tl.store(ROW + h * N + rows, lam - tl.load(LSE + h * N + rows, mask=valid, other=0.0), mask=valid)
+
+
+# ---------------------------------------------------------------------------------------------
+# bounds with pruning: one program per head, a single forward-moving pointer over key tiles
+# (linear time); also the kept and total causal tiles of the head
+
+@triton.jit
+def _bounds_kernel(LAM, DELTA, START, KSTART, QEND, TILES, N, NB, ACP: tl.constexpr, T: tl.constexpr):
     h = tl.program_id(0)
     lam = LAM + h * N
     kstart = KSTART + h * NB
     qend = QEND + h * NB
     delta = tl.load(DELTA + h)
     p = h * 0
+    kept = h * 0
+    total = h * 0
     for qb in range(NB):
         qf = qb * T
         s = tl.load(START + qf) // T
@@ -58,8 +160,12 @@ def _bounds_kernel(LAM, DELTA, START, KSTART, QEND, N, NB, ACP: tl.constexpr, T:
                 p += prune.to(tl.int32)
                 go = prune & (p < qb)
         tl.store(kstart + qb, p)
+        kept += qb + 1 - p
+        total += qb + 1 - s
     for t in range(p, NB):
         tl.store(qend + t, NB)
+    tl.store(TILES + 2 * h, kept)
+    tl.store(TILES + 2 * h + 1, total)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -113,11 +219,41 @@ def _key_side(K, V, LAM, START, KSTART, h, q0, N, NB, GROUPS: tl.constexpr, D: t
 
 
 @triton.jit
+def _fwd_loop(acc, den, m, q, lam_q, st_q, rows, kp, vp, lamk, lo, mid, q0, sk, N, scale,
+              D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
+    """The split variant's three stretches as one software-pipelined loop: the mask only on
+    tiles that need it (keys of earlier documents below `mid`, the diagonal)."""
+    dims = tl.arange(0, D)
+    for k0 in range(lo, q0 + BM, BN):
+        cols = k0 + tl.arange(0, BN)
+        k, v, lam_k = _load_keys(kp, vp, lamk, cols, dims, sk, N, True)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale + (lam_q[:, None] - lam_k[None, :])
+        if (k0 < mid) | (k0 + BN > q0):
+            keep = (cols[None, :] <= rows[:, None]) & (cols[None, :] >= st_q[:, None])
+            s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        den = den * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        m = m_new
+    return acc, den, m
+
+
+@triton.jit
+def _query_block(SPLIT: tl.constexpr):
+    """(query block, head) of this program. Split: grid (blocks, heads) in program order; the
+    others: grid (heads, blocks), every head's longest block first, so the last wave is light."""
+    if SPLIT:
+        return tl.program_id(0), tl.program_id(1)
+    return tl.num_programs(1) - 1 - tl.program_id(1), tl.program_id(0)
+
+
+@triton.jit
 def _fwd_kernel(Q, K, V, LAM, START, KSTART, OUT, LSE, N, NB, sq, sk, scale, SIZE,
                 GROUPS: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                T: tl.constexpr, PREC: tl.constexpr):
-    qb = tl.program_id(0)
-    h = tl.program_id(1)
+                T: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr):
+    qb, h = _query_block(SPLIT)
     q0 = qb * BM
     rows = q0 + tl.arange(0, BM)
     dims = tl.arange(0, D)
@@ -129,12 +265,16 @@ def _fwd_kernel(Q, K, V, LAM, START, KSTART, OUT, LSE, N, NB, sq, sk, scale, SIZ
     m = tl.full([BM], -1.0e30, tl.float32)
     den = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, D], tl.float32)
-    acc, den, m = _fwd_tiles(acc, den, m, q, lam_q, st_q, rows, kp, vp, lamk, lo, mid, sk, N, scale,
-                             D, BN, True, PREC)
-    acc, den, m = _fwd_tiles(acc, den, m, q, lam_q, st_q, rows, kp, vp, lamk, mid, q0, sk, N, scale,
-                             D, BN, False, PREC)
-    acc, den, m = _fwd_tiles(acc, den, m, q, lam_q, st_q, rows, kp, vp, lamk, q0, q0 + BM, sk, N, scale,
-                             D, BN, True, PREC)
+    if SPLIT:
+        acc, den, m = _fwd_tiles(acc, den, m, q, lam_q, st_q, rows, kp, vp, lamk, lo, mid, sk, N, scale,
+                                 D, BN, True, PREC)
+        acc, den, m = _fwd_tiles(acc, den, m, q, lam_q, st_q, rows, kp, vp, lamk, mid, q0, sk, N, scale,
+                                 D, BN, False, PREC)
+        acc, den, m = _fwd_tiles(acc, den, m, q, lam_q, st_q, rows, kp, vp, lamk, q0, q0 + BM, sk, N, scale,
+                                 D, BN, True, PREC)
+    else:
+        acc, den, m = _fwd_loop(acc, den, m, q, lam_q, st_q, rows, kp, vp, lamk, lo, mid, q0, sk, N, scale,
+                                D, BM, BN, PREC)
     o = acc / den[:, None]
     tl.store(OUT + rows[:, None] * sq + h * D + dims[None, :], o.to(OUT.dtype.element_ty), mask=valid[:, None])
     tl.store(LSE + h * N + rows, m + tl.log2(den), mask=valid)
@@ -175,11 +315,30 @@ def _dq_tiles(dq, dlq, q, do, r_q, dlt, st_q, rows, kp, vp, lamk, lo, hi, sk, N,
 
 
 @triton.jit
-def _dq_kernel(Q, K, V, DO, LAM, ROW, DELTA, START, KSTART, DQ, DLQ, N, NB, sq, sk, scale, sm_scale, SIZE,
+def _dq_loop(dq, dlq, q, do, r_q, dlt, st_q, rows, kp, vp, lamk, lo, mid, q0, sk, N, scale,
+             D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
+    """`_dq_tiles` over all stretches in one loop, the mask only where needed (`_fwd_loop`)."""
+    dims = tl.arange(0, D)
+    for k0 in range(lo, q0 + BM, BN):
+        cols = k0 + tl.arange(0, BN)
+        k, v, lam_k = _load_keys(kp, vp, lamk, cols, dims, sk, N, True)
+        p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=PREC) * scale + (r_q[:, None] - lam_k[None, :]))
+        if (k0 < mid) | (k0 + BN > q0):
+            keep = (cols[None, :] <= rows[:, None]) & (cols[None, :] >= st_q[:, None])
+            p = tl.where(keep, p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+        ds = p * (dp - dlt[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
+        dlq += tl.sum(ds, 1)
+    return dq, dlq
+
+
+@triton.jit
+def _dq_kernel(Q, K, V, DO, LAM, ROW, DELTA, START, KSTART, DQ, DLAM, N, NB, sq, sk, scale, sm_scale, SIZE,
                GROUPS: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-               T: tl.constexpr, PREC: tl.constexpr):
-    h = tl.program_id(1)
-    q0 = tl.program_id(0) * BM
+               T: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr):
+    qb, h = _query_block(SPLIT)
+    q0 = qb * BM
     q, do, rows, valid, offs = _block_pair(Q, DO, q0, sq, h, N, BM, D)
     r_q = tl.load(ROW + h * N + rows, mask=valid, other=0.0)
     dlt = tl.load(DELTA + h * N + rows, mask=valid, other=0.0)
@@ -187,53 +346,76 @@ def _dq_kernel(Q, K, V, DO, LAM, ROW, DELTA, START, KSTART, DQ, DLQ, N, NB, sq, 
     kp, vp, lamk, lo, mid = _key_side(K, V, LAM, START, KSTART, h, q0, N, NB, GROUPS, D, BM, BN, T)
     dq = tl.zeros([BM, D], tl.float32)
     dlq = tl.zeros([BM], tl.float32)
-    dq, dlq = _dq_tiles(dq, dlq, q, do, r_q, dlt, st_q, rows, kp, vp, lamk, lo, mid, sk, N, scale,
-                        D, BN, True, PREC)
-    dq, dlq = _dq_tiles(dq, dlq, q, do, r_q, dlt, st_q, rows, kp, vp, lamk, mid, q0, sk, N, scale,
-                        D, BN, False, PREC)
-    dq, dlq = _dq_tiles(dq, dlq, q, do, r_q, dlt, st_q, rows, kp, vp, lamk, q0, q0 + BM, sk, N, scale,
-                        D, BN, True, PREC)
+    if SPLIT:
+        dq, dlq = _dq_tiles(dq, dlq, q, do, r_q, dlt, st_q, rows, kp, vp, lamk, lo, mid, sk, N, scale,
+                            D, BN, True, PREC)
+        dq, dlq = _dq_tiles(dq, dlq, q, do, r_q, dlt, st_q, rows, kp, vp, lamk, mid, q0, sk, N, scale,
+                            D, BN, False, PREC)
+        dq, dlq = _dq_tiles(dq, dlq, q, do, r_q, dlt, st_q, rows, kp, vp, lamk, q0, q0 + BM, sk, N, scale,
+                            D, BN, True, PREC)
+    else:
+        dq, dlq = _dq_loop(dq, dlq, q, do, r_q, dlt, st_q, rows, kp, vp, lamk, lo, mid, q0, sk, N, scale,
+                           D, BM, BN, PREC)
     tl.store(DQ + offs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=valid[:, None])
-    tl.store(DLQ + h * N + rows, dlq, mask=valid)
+    dlam = DLAM + h * N + rows  # holds the column sums from the dk/dv kernel
+    tl.store(dlam, (dlq + tl.load(dlam, mask=valid, other=0.0)) / _LOG2E, mask=valid)
 
 
 @triton.jit
-def _dkdv_tiles(dk, dv, dlk, k, v, lam_k, cols, qp, dop, row_p, dlt_p, START, lo, hi, sq, N, scale,
-                D: tl.constexpr, BM: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr):
+def _dkdv_tiles(dk, dv, dlk, k, v, lam_k, cols, qp, dop, row_p, dlt_p, START, dqp, dlq_p, lo, hi, diag, mid, sq, N,
+                scale, D: tl.constexpr, BM: tl.constexpr, MASK: tl.constexpr, ATOMIC: tl.constexpr,
+                PREC: tl.constexpr):
+    """Query blocks [lo, hi) against one key block. MASK: 0 none, 1 every tile, 2 only the tiles
+    that need it (the diagonal, below `diag`; rows of later documents, from `mid`). ATOMIC: also
+    add each query block's dq and dLambda row sums to fp32 buffers (no dq kernel)."""
     dims = tl.arange(0, D)
     for q0 in range(lo, hi, BM):
         rows = q0 + tl.arange(0, BM)
-        if MASK:
-            valid = rows < N
-            q = tl.load(qp + rows[:, None] * sq + dims[None, :], mask=valid[:, None], other=0.0)
-            do = tl.load(dop + rows[:, None] * sq + dims[None, :], mask=valid[:, None], other=0.0)
-            r_q = tl.load(row_p + rows, mask=valid, other=0.0)
-            dlt = tl.load(dlt_p + rows, mask=valid, other=0.0)
-            st_q = tl.load(START + rows, mask=valid, other=N)
-        else:
+        valid = rows < N
+        if MASK == 0:
             q = tl.load(qp + rows[:, None] * sq + dims[None, :])
             do = tl.load(dop + rows[:, None] * sq + dims[None, :])
             r_q = tl.load(row_p + rows)
             dlt = tl.load(dlt_p + rows)
+        else:
+            q = tl.load(qp + rows[:, None] * sq + dims[None, :], mask=valid[:, None], other=0.0)
+            do = tl.load(dop + rows[:, None] * sq + dims[None, :], mask=valid[:, None], other=0.0)
+            r_q = tl.load(row_p + rows, mask=valid, other=0.0)
+            dlt = tl.load(dlt_p + rows, mask=valid, other=0.0)
         qk = tl.dot(k, tl.trans(q), input_precision=PREC)  # [BN, BM]
         pt = tl.exp2(qk * scale + (r_q[None, :] - lam_k[:, None]))
-        if MASK:
+        if MASK == 1:
+            st_q = tl.load(START + rows, mask=valid, other=N)
             keep = (cols[:, None] <= rows[None, :]) & (cols[:, None] >= st_q[None, :])
             pt = tl.where(keep, pt, 0.0)
+        if MASK == 2:
+            if (q0 < diag) | (q0 >= mid):
+                st_q = tl.load(START + rows, mask=valid, other=N)
+                keep = (cols[:, None] <= rows[None, :]) & (cols[:, None] >= st_q[None, :])
+                pt = tl.where(keep, pt, 0.0)
         dv += tl.dot(pt.to(do.dtype), do, input_precision=PREC)
         dpt = tl.dot(v, tl.trans(do), input_precision=PREC)
         dst = pt * (dpt - dlt[None, :])
         dk += tl.dot(dst.to(q.dtype), q, input_precision=PREC)
         dlk += tl.sum(dst, 1)
+        if ATOMIC:
+            # relaxed: nothing reads dq before the kernel ends (ptxas emits fire-and-forget reductions)
+            tl.atomic_add(dqp + rows[:, None] * sq + dims[None, :],
+                          tl.dot(tl.trans(dst).to(k.dtype), k, input_precision=PREC),
+                          mask=valid[:, None], sem="relaxed")
+            tl.atomic_add(dlq_p + rows, tl.sum(dst, 0) / _LOG2E, mask=valid, sem="relaxed")
     return dk, dv, dlk
 
 
 @triton.jit
-def _dkdv_kernel(Q, K, V, DO, LAM, ROW, DELTA, START, END, QEND, DK, DV, DLK, N, NB, sq, sk, scale, sm_scale,
-                 SIZE, GROUPS: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                 T: tl.constexpr, PREC: tl.constexpr):
-    hk = tl.program_id(1)
-    k0 = tl.program_id(0) * BN
+def _dkdv_kernel(Q, K, V, DO, LAM, ROW, DELTA, START, END, QEND, DK, DV, DLAM, DQ, N, NB, sq, sk, scale,
+                 sm_scale, SIZE, GROUPS: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                 T: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr, ATOMIC: tl.constexpr):
+    if SPLIT:
+        kb, hk = tl.program_id(0), tl.program_id(1)
+    else:  # heads fastest: the first key blocks (the most query blocks to visit) of every head first
+        kb, hk = tl.program_id(1), tl.program_id(0)
+    k0 = kb * BN
     k, v, cols, inside, offs = _block_pair(K, V, k0, sk, hk, N, BN, D)
     dk = tl.zeros([BN, D], tl.float32)
     dv = tl.zeros([BN, D], tl.float32)
@@ -249,14 +431,25 @@ def _dkdv_kernel(Q, K, V, DO, LAM, ROW, DELTA, START, END, QEND, DK, DV, DLK, N,
         dop = DO + h * D
         row_p = ROW + h * N
         dlt_p = DELTA + h * N
+        dqp = DQ + h * D
+        dlq_p = DLAM + h * N
         dlk = tl.zeros([BN], tl.float32)
-        dk, dv, dlk = _dkdv_tiles(dk, dv, dlk, k, v, lam_k, cols, qp, dop, row_p, dlt_p, START,
-                                  k0, k0 + BN, sq, N, scale, D, BM, True, PREC)
-        dk, dv, dlk = _dkdv_tiles(dk, dv, dlk, k, v, lam_k, cols, qp, dop, row_p, dlt_p, START,
-                                  k0 + BN, mid, sq, N, scale, D, BM, False, PREC)
-        dk, dv, dlk = _dkdv_tiles(dk, dv, dlk, k, v, lam_k, cols, qp, dop, row_p, dlt_p, START,
-                                  mid, hi, sq, N, scale, D, BM, True, PREC)
-        tl.store(DLK + h * N + cols, -dlk, mask=inside)
+        if SPLIT:
+            dk, dv, dlk = _dkdv_tiles(dk, dv, dlk, k, v, lam_k, cols, qp, dop, row_p, dlt_p, START, dqp, dlq_p,
+                                      k0, k0 + BN, k0 + BN, mid, sq, N, scale, D, BM, 1, ATOMIC, PREC)
+            dk, dv, dlk = _dkdv_tiles(dk, dv, dlk, k, v, lam_k, cols, qp, dop, row_p, dlt_p, START, dqp, dlq_p,
+                                      k0 + BN, mid, k0 + BN, mid, sq, N, scale, D, BM, 0, ATOMIC, PREC)
+            dk, dv, dlk = _dkdv_tiles(dk, dv, dlk, k, v, lam_k, cols, qp, dop, row_p, dlt_p, START, dqp, dlq_p,
+                                      mid, hi, k0 + BN, mid, sq, N, scale, D, BM, 1, ATOMIC, PREC)
+        else:
+            dk, dv, dlk = _dkdv_tiles(dk, dv, dlk, k, v, lam_k, cols, qp, dop, row_p, dlt_p, START, dqp, dlq_p,
+                                      k0, hi, k0 + BN, mid, sq, N, scale, D, BM, 2, ATOMIC, PREC)
+        # dLambda = row sums - column sums of dS (natural log units): the column sums here, the
+        # row sums by the dq kernel after this one (or atomically, with the rest of dq)
+        if ATOMIC:
+            tl.atomic_add(DLAM + h * N + cols, -dlk / _LOG2E, mask=inside, sem="relaxed")
+        else:
+            tl.store(DLAM + h * N + cols, -dlk, mask=inside)
     tl.store(DK + offs, (dk * sm_scale).to(DK.dtype.element_ty), mask=inside[:, None])
     tl.store(DV + offs, dv.to(DV.dtype.element_ty), mask=inside[:, None])
 
@@ -285,26 +478,100 @@ DQ_OPTIONS = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)
 DKDV_OPTIONS = [(64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 4, 3), (32, 128, 8, 3), (64, 64, 4, 3),
                 (32, 64, 4, 3), (64, 128, 8, 1), (16, 128, 4, 3), (32, 128, 4, 2), (32, 64, 8, 3)]
 # tuned per head dim, GQA group and power-of-two length class (not per length: prompts vary)
-KEY = ["D", "GROUPS", "SIZE"]
+KEY = ["D", "GROUPS", "SIZE", "SPLIT"]
 _fwd = triton.autotune(_configs(FWD_OPTIONS), key=KEY)(_fwd_kernel)
 _dq = triton.autotune(_configs(DQ_OPTIONS), key=KEY)(_dq_kernel)
 _dkdv = triton.autotune(_configs(DKDV_OPTIONS), key=KEY)(_dkdv_kernel)
+# the atomic variant adds into dq: each tuning run starts from zeros
+_dkdv_atomic = triton.autotune(_configs(DKDV_OPTIONS), key=KEY, reset_to_zero=["DQ", "DLAM"])(_dkdv_kernel)
+
+VARIANTS = {"split": (True, False), "fused": (False, False), "atomic": (False, True)}
+"""Kernel arrangements, (SPLIT, ATOMIC), timed side by side by `bench/attention.py --variant`
+(work log: bench/fox_kernel_notes.md):
+  split   each kernel's loop in three stretches (masked, unmasked, masked), program order by
+          query block, dq by its own kernel
+  fused   one software-pipelined loop per kernel, the mask under a per-tile branch; programs
+          heads-fastest with every head's longest query blocks first
+  atomic  fused, and dq and its dLambda row sums added atomically by the dk/dv kernel: 5 matrix
+          products and 2 exponentials per causal entry instead of 7 and 3"""
+VARIANT = os.environ.get("LONGCTX_FOX_KERNEL", "split")
+if VARIANT not in VARIANTS:
+    raise ValueError(f"LONGCTX_FOX_KERNEL={VARIANT!r}: not one of {sorted(VARIANTS)}")
 
 
 # ---------------------------------------------------------------------------------------------
 # host side
 
-def doc_bounds(cu_seqlens: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each token's document start and end (int32 [N])."""
-    cu = cu_seqlens.to(torch.int32)
-    lengths = (cu[1:] - cu[:-1]).long()
-    return (cu[:-1].repeat_interleave(lengths, output_size=n).contiguous(),
-            cu[1:].repeat_interleave(lengths, output_size=n).contiguous())
+def prepare(log_f: torch.Tensor | None, cu_seqlens: torch.Tensor, n: int,
+            heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(Lambda [H, N] in log2 units (zeros without gates), each token's document start and end
+    (int32 [N]), kstart and qend without pruning (int32 [H, NB])): one launch, differentiable
+    in log_f [N, H]."""
+    return _prepare(log_f, cu_seqlens.to(torch.int32), n, heads)
 
 
-def bounds(lam2: torch.Tensor, delta: torch.Tensor | None, start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """kstart [H, NB] (first key tile per query tile) and qend [H, NB] (first query tile past each
-    key tile), from Lambda in log2 units [H, N] and thresholds in natural units (None: no ACP)."""
+def _doc_search_steps(cu: torch.Tensor) -> int:
+    return max(1, (cu.numel() - 1).bit_length())
+
+
+@torch.library.custom_op("longctx::fox_prepare", mutates_args=())
+def _prepare(log_f: torch.Tensor | None, cu: torch.Tensor, n: int,
+             heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    dev = cu.device
+    nb = triton.cdiv(n, TILE)
+    lam2 = torch.empty(heads, n, dtype=torch.float32, device=dev)
+    start, end = (torch.empty(n, dtype=torch.int32, device=dev) for _ in range(2))
+    kstart, qend = (torch.empty(heads, nb, dtype=torch.int32, device=dev) for _ in range(2))
+    decay = log_f is not None
+    _prepare_kernel[(heads,)](
+        LOGF=log_f if decay else lam2, CU=cu, LAM=lam2, START=start, END=end, KSTART=kstart, QEND=qend, N=n,
+        NB=nb, DOCS=cu.numel() - 1, STEPS=_doc_search_steps(cu), sfn=log_f.stride(0) if decay else 0,
+        sfh=log_f.stride(1) if decay else 0, DECAY=decay, BLOCK=_SCAN_BLOCK, T=TILE, num_warps=4)
+    return lam2, start, end, kstart, qend
+
+
+@_prepare.register_fake
+def _(log_f, cu, n, heads):
+    nb = (n + TILE - 1) // TILE
+    return (cu.new_empty(heads, n, dtype=torch.float32), cu.new_empty(n), cu.new_empty(n),
+            cu.new_empty(heads, nb), cu.new_empty(heads, nb))
+
+
+
+@torch.library.custom_op("longctx::fox_dlogf", mutates_args=())
+def _dlogf(dlam2: torch.Tensor, end: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    h, n = dlam2.shape
+    out = torch.empty(n, h, dtype=dtype, device=dlam2.device)
+    _dlogf_kernel[(h,)](DLAM=dlam2.contiguous(), END=end, DLOGF=out, N=n, sfn=out.stride(0), sfh=out.stride(1),
+                        BLOCK=_SCAN_BLOCK, num_warps=4)
+    return out
+
+
+@_dlogf.register_fake
+def _(dlam2, end, dtype):
+    return dlam2.new_empty(dlam2.shape[1], dlam2.shape[0], dtype=dtype)
+
+
+def _prepare_save(ctx, inputs, output):
+    log_f = inputs[0]
+    ctx.dtype = None if log_f is None else log_f.dtype
+    ctx.save_for_backward(output[2])
+
+
+def _prepare_grads(ctx, dlam2, *_):
+    if ctx.dtype is None or dlam2 is None:
+        return None, None, None, None
+    return _dlogf(dlam2, ctx.saved_tensors[0], ctx.dtype), None, None, None
+
+
+_prepare.register_autograd(_prepare_grads, setup_context=_prepare_save)
+
+
+def bounds(lam2: torch.Tensor, delta: torch.Tensor | None,
+           start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """kstart [H, NB] (first key tile per query tile), qend [H, NB] (first query tile past each
+    key tile) and [kept, total] causal tiles within documents per head [H, 2], from Lambda in
+    log2 units [H, N] and thresholds in natural units (None: no pruning)."""
     acp = delta is not None
     delta2 = (delta * LOG2E if acp else torch.zeros(lam2.shape[0], device=lam2.device)).float().contiguous()
     return _bounds(lam2, delta2, start, acp)
@@ -312,30 +579,22 @@ def bounds(lam2: torch.Tensor, delta: torch.Tensor | None, start: torch.Tensor) 
 
 @torch.library.custom_op("longctx::fox_bounds", mutates_args=())
 def _bounds(lam2: torch.Tensor, delta2: torch.Tensor, start: torch.Tensor,
-            acp: bool) -> tuple[torch.Tensor, torch.Tensor]:
+            acp: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     h, n = lam2.shape
     nb = triton.cdiv(n, TILE)
     kstart = torch.empty(h, nb, dtype=torch.int32, device=lam2.device)
     qend = torch.empty_like(kstart)
-    _bounds_kernel[(h,)](LAM=lam2, DELTA=delta2, START=start, KSTART=kstart, QEND=qend, N=n, NB=nb, ACP=acp, T=TILE)
-    return kstart, qend
+    tiles = torch.empty(h, 2, dtype=torch.int32, device=lam2.device)
+    _bounds_kernel[(h,)](LAM=lam2, DELTA=delta2, START=start, KSTART=kstart, QEND=qend, TILES=tiles, N=n, NB=nb,
+                         ACP=acp, T=TILE, num_warps=1)  # a serial walk: one warp is plenty
+    return kstart, qend, tiles
 
 
 @_bounds.register_fake
 def _(lam2, delta2, start, acp):
     nb = (lam2.shape[1] + TILE - 1) // TILE
     kstart = lam2.new_empty(lam2.shape[0], nb, dtype=torch.int32)
-    return kstart, torch.empty_like(kstart)
-
-
-def tile_counts(kstart: torch.Tensor, start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Kept and total causal tiles within documents, summed over heads (device tensors)."""
-    nb = kstart.shape[1]
-    first = start[::TILE][:nb].long() // TILE  # each query tile's document start tile
-    diag = torch.arange(1, nb + 1, device=kstart.device)
-    total = (diag - first).sum() * kstart.shape[0]
-    kept = (diag - kstart.long()).sum()
-    return kept, total
+    return kstart, torch.empty_like(kstart), lam2.new_empty(lam2.shape[0], 2, dtype=torch.int32)
 
 
 # The kernels as custom ops: torch.compile sees one op per pass and never traces into Triton's
@@ -343,82 +602,86 @@ def tile_counts(kstart: torch.Tensor, start: torch.Tensor) -> tuple[torch.Tensor
 
 @torch.library.custom_op("longctx::fox_forward", mutates_args=())
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam2: torch.Tensor, start: torch.Tensor,
-             end: torch.Tensor, kstart: torch.Tensor, qend: torch.Tensor,
-             sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+             end: torch.Tensor, kstart: torch.Tensor, qend: torch.Tensor, sm_scale: float,
+             variant: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, log-sum-exp [H, N] in log2 units); `end` and `qend` ride along for the backward."""
     n, h, d = q.shape
+    split, _ = VARIANTS[variant]
     o = torch.empty_like(q)
     lse = torch.empty(h, n, dtype=torch.float32, device=q.device)
-
-    def grid(meta):
-        return triton.cdiv(n, meta["BM"]), h
-
-    _fwd[grid](Q=q, K=k, V=v, LAM=lam2, START=start, KSTART=kstart, OUT=o, LSE=lse, N=n, NB=kstart.shape[1],
-               sq=q.stride(0), sk=k.stride(0), scale=sm_scale * LOG2E, SIZE=n.bit_length(), GROUPS=h // k.shape[1],
-               D=d, T=TILE, PREC=_precision(q))
+    _fwd[_grid(n, h, split, "BM")](
+        Q=q, K=k, V=v, LAM=lam2, START=start, KSTART=kstart, OUT=o, LSE=lse, N=n, NB=kstart.shape[1],
+        sq=q.stride(0), sk=k.stride(0), scale=sm_scale * LOG2E, SIZE=n.bit_length(), GROUPS=h // k.shape[1],
+        D=d, T=TILE, PREC=_precision(q), SPLIT=split)
     return o, lse
 
 
 @_forward.register_fake
-def _(q, k, v, lam2, start, end, kstart, qend, sm_scale):
+def _(q, k, v, lam2, start, end, kstart, qend, sm_scale, variant):
     return torch.empty_like(q), q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
+
+
+def _grid(n: int, heads: int, split: bool, block: str):
+    """Programs over the blocks of meta[block] tokens and the heads, in the order the kernels
+    read their program ids (`_query_block`, `_dkdv_kernel`)."""
+    def grid(meta):
+        blocks = triton.cdiv(n, meta[block])
+        return (blocks, heads) if split else (heads, blocks)
+    return grid
 
 
 @torch.library.custom_op("longctx::fox_backward", mutates_args=())
 def _backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
               lse: torch.Tensor, lam2: torch.Tensor, start: torch.Tensor, end: torch.Tensor, kstart: torch.Tensor,
-              qend: torch.Tensor, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+              qend: torch.Tensor, sm_scale: float,
+              variant: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, d Lambda in log2 units)."""
     n, h, d = q.shape
     hk = k.shape[1]
-    delta = (do.float() * o.float()).sum(-1).T.contiguous()  # [H, N]
-    row = lam2 - lse  # each row's Lambda minus its log-sum-exp: one add per logit, not two
+    split, atomic = VARIANTS[variant]
     nb = kstart.shape[1]
-    scale = sm_scale * LOG2E
-    size = n.bit_length()
+    delta, row = (torch.empty(h, n, dtype=torch.float32, device=q.device) for _ in range(2))
+    _bwd_prep_kernel[(triton.cdiv(n, 64), h)](DO=do, OUT=o, LAM=lam2, LSE=lse, DELTA=delta, ROW=row, N=n,
+                                              sq=q.stride(0), D=d, BLOCK=64, num_warps=4)
+    common = dict(Q=q, K=k, V=v, DO=do, LAM=lam2, ROW=row, DELTA=delta, START=start, N=n, NB=nb, sq=q.stride(0),
+                  sk=k.stride(0), scale=sm_scale * LOG2E, sm_scale=sm_scale, SIZE=n.bit_length(), GROUPS=h // hk,
+                  D=d, T=TILE, PREC=_precision(q), SPLIT=split)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
-    dlk = torch.empty(h, n, dtype=torch.float32, device=q.device)
-
-    def kv_grid(meta):
-        return triton.cdiv(n, meta["BN"]), hk
-
-    _dkdv[kv_grid](Q=q, K=k, V=v, DO=do, LAM=lam2, ROW=row, DELTA=delta, START=start, END=end, QEND=qend, DK=dk,
-                   DV=dv, DLK=dlk, N=n, NB=nb, sq=q.stride(0), sk=k.stride(0), scale=scale, sm_scale=sm_scale,
-                   SIZE=size, GROUPS=h // hk, D=d, T=TILE, PREC=_precision(q))
-    # dq by its own pass over key tiles: measured faster at D = 128 than atomically adding dq
-    # from this kernel (16K: 12.9 vs 14.4 ms; D = 64: 14.5 vs 13.9 ms)
-    dq = torch.empty_like(q)
-
-    def dq_grid(meta):
-        return triton.cdiv(n, meta["BM"]), h
-
-    dlq = torch.empty_like(dlk)
-    _dq[dq_grid](Q=q, K=k, V=v, DO=do, LAM=lam2, ROW=row, DELTA=delta, START=start, KSTART=kstart, DQ=dq, DLQ=dlq,
-                 N=n, NB=nb, sq=q.stride(0), sk=k.stride(0), scale=scale, sm_scale=sm_scale, SIZE=size,
-                 GROUPS=h // hk, D=d, T=TILE, PREC=_precision(q))
-    # the logits hold Lambda_i - Lambda_j: dLambda = row sums - column sums of dS (natural
-    # log units). The row sums vanish in exact arithmetic, but with them the rounding of the
-    # bf16 output in delta cancels instead of piling up in the reverse cumsum to d log f
-    # (without them d log f missed the bf16 tolerance on an H200)
-    return dq, dk, dv, (dlq + dlk) / LOG2E
+    kv_grid = _grid(n, hk, split, "BN")
+    # dLambda (log2 units), from the row and column sums of dS; without the row sums, which
+    # vanish in exact arithmetic, the rounding of the bf16 output in delta would pile up in the
+    # reverse cumsum to d log f instead of cancelling (it missed the bf16 tolerance on an H200)
+    if atomic:
+        dq32 = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dlam = torch.zeros(h, n, dtype=torch.float32, device=q.device)
+        _dkdv_atomic[kv_grid](**common, END=end, QEND=qend, DK=dk, DV=dv, DLAM=dlam, DQ=dq32, ATOMIC=True)
+        dq = (dq32 * sm_scale).to(q.dtype)
+    else:
+        dlam = torch.empty(h, n, dtype=torch.float32, device=q.device)
+        _dkdv[kv_grid](**common, END=end, QEND=qend, DK=dk, DV=dv, DLAM=dlam, DQ=dk, ATOMIC=False)
+        dq = torch.empty_like(q)
+        _dq[_grid(n, h, split, "BM")](**common, KSTART=kstart, DQ=dq, DLAM=dlam)
+    return dq, dk, dv, dlam
 
 
 @_backward.register_fake
-def _(do, q, k, v, o, lse, lam2, start, end, kstart, qend, sm_scale):
+def _(do, q, k, v, o, lse, lam2, start, end, kstart, qend, sm_scale, variant):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(lam2)
 
 
 def _save(ctx, inputs, output):
-    q, k, v, lam2, start, end, kstart, qend, sm_scale = inputs
+    q, k, v, lam2, start, end, kstart, qend, sm_scale, variant = inputs
     ctx.save_for_backward(q, k, v, output[0], output[1], lam2, start, end, kstart, qend)
     ctx.sm_scale = sm_scale
+    ctx.variant = variant
 
 
 def _grads(ctx, do, _dlse):
     q, k, v, o, lse, lam2, start, end, kstart, qend = ctx.saved_tensors
-    dq, dk, dv, dlam = _backward(do.contiguous(), q, k, v, o, lse, lam2, start, end, kstart, qend, ctx.sm_scale)
-    return dq, dk, dv, dlam, None, None, None, None, None
+    dq, dk, dv, dlam = _backward(do.contiguous(), q, k, v, o, lse, lam2, start, end, kstart, qend, ctx.sm_scale,
+                                 ctx.variant)
+    return dq, dk, dv, dlam, None, None, None, None, None, None
 
 
 _forward.register_autograd(_grads, setup_context=_save)
@@ -435,12 +698,15 @@ def _padded_dim(d: int) -> int:
 
 def fox_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                   log_f: torch.Tensor | None = None, scale: float | None = None, *,
-                  acp: Acp | None = None, logit_bound: torch.Tensor | float | None = None) -> torch.Tensor:
+                  acp: Acp | None = None, logit_bound: torch.Tensor | float | None = None,
+                  variant: str | None = None) -> torch.Tensor:
     """Document-masked causal attention with the FoX decay, the `attention` backend signature.
     With `acp`, tiles below the threshold are skipped (forward and backward) and the kept and
     total tile counts are added to acp.stats. `logit_bound` is U for the threshold (from
-    QK-norm gains); without it U comes from the max norms of q and k."""
-    out, tiles = attend(q, k, v, cu_seqlens, log_f, scale, acp_eps=acp.eps if acp else None, logit_bound=logit_bound)
+    QK-norm gains); without it U comes from the max norms of q and k. `variant`: one of
+    VARIANTS (default LONGCTX_FOX_KERNEL, else split)."""
+    out, tiles = attend(q, k, v, cu_seqlens, log_f, scale, acp_eps=acp.eps if acp else None, logit_bound=logit_bound,
+                        variant=variant)
     if acp is not None:
         acp.stats.add(*tiles)
     return out
@@ -448,7 +714,8 @@ def fox_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
            log_f: torch.Tensor | None = None, scale: float | None = None, *, acp_eps: float | None = None,
-           logit_bound: torch.Tensor | float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+           logit_bound: torch.Tensor | float | None = None,
+           variant: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`fox_attention` without side effects (what compiled code calls): (out, [kept, total]
     causal tiles, or None without ACP)."""
     n, h, d = q.shape
@@ -456,23 +723,23 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.
         raise ValueError(f"fox attention: {h} query heads are not a multiple of {k.shape[1]} KV heads")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"fox attention takes float16/bfloat16/float32, got {q.dtype}")
+    variant = variant or VARIANT
+    if variant not in VARIANTS:
+        raise ValueError(f"fox attention: variant {variant!r} is not one of {sorted(VARIANTS)}")
     if n * h * _padded_dim(d) >= 2**31:
         raise ValueError(f"fox attention: {n} tokens x {h} heads x {d} dims overflow the kernels' 32-bit offsets; "
                          "split the heads over ranks (sequence_parallel) or the tokens over sequences")
     sm_scale = d**-0.5 if scale is None else scale
-    if log_f is None:
-        lam2 = torch.zeros(h, n, dtype=torch.float32, device=q.device)
-    else:
-        lam2 = doc_cumsum(log_f, cu_seqlens).T * LOG2E  # [H, N] contiguous: doc_cumsum scans in that layout
-    start, end = doc_bounds(cu_seqlens, n)
-    delta = None
-    pruned = acp_eps is not None and log_f is not None
-    if pruned:
-        max_len = (cu_seqlens[1:] - cu_seqlens[:-1]).max()  # stays on the device: no sync per layer
-        delta = thresholds(q.detach(), k.detach(), sm_scale, max_len, acp_eps, logit_bound)
-    kstart, qend = bounds(lam2.detach(), delta, start)
-    tiles = torch.stack(tile_counts(kstart, start)) if acp_eps is not None else None
+    lam2, start, end, kstart, qend = prepare(log_f, cu_seqlens, n, h)
+    tiles = None
+    if acp_eps is not None:
+        delta = None
+        if log_f is not None:
+            max_len = (cu_seqlens[1:] - cu_seqlens[:-1]).max()  # stays on the device: no sync per layer
+            delta = thresholds(q.detach(), k.detach(), sm_scale, max_len, acp_eps, logit_bound)
+        kstart, qend, per_head = bounds(lam2.detach(), delta, start)
+        tiles = per_head.sum(0)
     dp = _padded_dim(d)
     q, k, v = (torch.nn.functional.pad(t, (0, dp - d)) if dp != d else t.contiguous() for t in (q, k, v))
-    out = _forward(q, k, v, lam2, start, end, kstart, qend, sm_scale)[0]
+    out = _forward(q, k, v, lam2, start, end, kstart, qend, sm_scale, variant)[0]
     return (out[..., :d] if dp != d else out), tiles
