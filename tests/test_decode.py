@@ -3,11 +3,13 @@ LongRoPE switch across the original window) and FoX."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
 from longctx.model.config import FoxConfig, ModelConfig, RopeConfig
-from longctx.model.decode import generate
+from longctx.model.decode import LayerCache, generate
 from longctx.model.transformer import Transformer
 
 BASE = dict(vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_position_embeddings=32)
@@ -49,3 +51,39 @@ def test_generation_stops_at_eos():
     eos = int(free[7])
     stopped = generate(model, prompt, 10, eos_id=eos)
     assert int(stopped[-1]) == eos and stopped.numel() <= 8
+
+
+def test_the_cache_grows_in_place_and_keeps_every_row():
+    cache = LayerCache()
+    k, v, log_f = torch.randn(300, 2, 8), torch.randn(300, 2, 8), torch.randn(300, 4).sigmoid().log()
+    for lo, hi in [(0, 200), (200, 201), (201, 300)]:  # the prompt, one token, then past the 256 rows first made
+        cache.attend(torch.randn(hi - lo, 4, 8), k[lo:hi], v[lo:hi], log_f[lo:hi])
+    assert cache.length == 300 and cache.k.shape[0] >= 300
+    assert torch.equal(cache.k[:300], k) and torch.equal(cache.v[:300], v)
+    torch.testing.assert_close(cache.lam[:300], log_f.cumsum(0))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+@pytest.mark.parametrize("t,h,hk,d", [(1, 4, 4, 64), (700, 6, 2, 40), (3000, 4, 1, 128)])
+def test_decode_kernel_matches_float64(t, h, hk, d):
+    """One query per head over a cache that is a view of a larger buffer, with and without the
+    FoX decay (interpreted on a CPU, bf16 on CUDA)."""
+    from longctx.model.fox.decode import decode_attention
+
+    dev, dtype = ("cuda", torch.bfloat16) if torch.cuda.is_available() else ("cpu", torch.float32)
+    gen = torch.Generator().manual_seed(t)
+    q = torch.randn(h, d, generator=gen)
+    buf_k, buf_v = (torch.randn(t + 40, hk, d, generator=gen) for _ in range(2))
+    lam = (torch.randn(t + 40, h, generator=gen).sigmoid().log()).cumsum(0)
+    keys = buf_k[:t].repeat_interleave(h // hk, 1).double()
+    values = buf_v[:t].repeat_interleave(h // hk, 1).double()
+    for decay in (False, True):
+        logits = torch.einsum("hd,thd->ht", q.double(), keys) * d**-0.5
+        if decay:
+            logits = logits + (lam[t].double()[:, None] - lam[:t].double().T)
+        want = torch.einsum("ht,thd->hd", logits.softmax(-1), values)
+        k, v = (b.to(dev, dtype) for b in (buf_k, buf_v))
+        got = decode_attention(q.to(dev, dtype), k[:t], v[:t], lam[t].to(dev) if decay else None,
+                               lam[:t].to(dev) if decay else None)
+        assert got.shape == (h, d) and got.dtype == dtype
+        assert ((got.double().cpu() - want).norm() / want.norm()) <= (1e-2 if dev == "cuda" else 1e-5), decay

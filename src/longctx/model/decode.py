@@ -8,19 +8,46 @@ beyond it) the cached keys are stale, so the cache is rebuilt from the tokens.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .rope import depends_on_length, inverse_frequencies
 from .transformer import Transformer
 
+KERNEL = os.environ.get("LONGCTX_DECODE", "kernel") != "math"
+"""On CUDA one new token attends through the Triton decode kernel (fox/decode.py);
+LONGCTX_DECODE=math keeps the plain PyTorch path there too (bench/decode.py times both)."""
+
 
 class LayerCache:
     def __init__(self):
-        self.k: torch.Tensor | None = None
+        self.k: torch.Tensor | None = None  # [capacity, Hkv, D]: rows [0, length) are cached
         self.v: torch.Tensor | None = None
-        self.lam: torch.Tensor | None = None  # [T, H] fp32, FoX only
+        self.lam: torch.Tensor | None = None  # [capacity, H] fp32, FoX only
+        self.length = 0
         self.k_before: torch.Tensor | None = None
         self.v_before: torch.Tensor | None = None
+
+    def _append(self, k: torch.Tensor, v: torch.Tensor, lam: torch.Tensor | None) -> None:
+        """Write the new rows in place; capacity doubles when full, so a long generation copies
+        the cache O(log T) times instead of once per token."""
+        end = self.length + k.shape[0]
+        if self.k is None or end > self.k.shape[0]:
+            capacity = max(end, 2 * (0 if self.k is None else self.k.shape[0]), 256)
+
+            def grown(old: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+                new = like.new_empty(capacity, *like.shape[1:])
+                if old is not None:
+                    new[: self.length] = old[: self.length]
+                return new
+
+            self.k, self.v = grown(self.k, k), grown(self.v, v)
+            self.lam = grown(self.lam, lam) if lam is not None else None
+        self.k[self.length:end], self.v[self.length:end] = k, v
+        if lam is not None:
+            self.lam[self.length:end] = lam
+        self.length = end
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_f: torch.Tensor | None,
                backend=None) -> torch.Tensor:
@@ -28,28 +55,32 @@ class LayerCache:
         prompt (an empty cache) goes through the model's attention backend (`backend`): no
         prompt x prompt score matrix."""
         n = q.shape[0]
-        if self.k is None and backend is not None and n > 1:
-            self.k, self.v = k, v
-            if log_f is not None:
-                self.lam = log_f.float().cumsum(0)
+        prompt = self.length == 0 and backend is not None and n > 1
+        lam_new = None
+        if log_f is not None:
+            lam_new = log_f.float().cumsum(0)
+            if self.length:
+                lam_new = lam_new + self.lam[self.length - 1]
+        self._append(k, v, lam_new)
+        if prompt:
             return backend(q, k, v, torch.tensor([0, n], dtype=torch.int32, device=q.device), log_f)
-        self.k = k if self.k is None else torch.cat((self.k, k))
-        self.v = v if self.v is None else torch.cat((self.v, v))
-        total = self.k.shape[0]
+        total = self.length
+        keys, values = self.k[:total], self.v[:total]
+        lam = self.lam[:total] if lam_new is not None else None
+        if n == 1 and q.is_cuda and KERNEL:
+            from .fox.decode import decode_attention
+
+            return decode_attention(q[0], keys, values, None if lam is None else lam_new[0], lam)[None]
         groups = q.shape[1] // k.shape[1]
         acc = torch.promote_types(q.dtype, torch.float32)
-        keys = self.k.repeat_interleave(groups, dim=1).to(acc)
-        values = self.v.repeat_interleave(groups, dim=1).to(acc)
-        logits = torch.einsum("qhd,khd->hqk", q.to(acc), keys) * q.shape[-1] ** -0.5
-        if log_f is not None:
-            start = self.lam[-1] if self.lam is not None else torch.zeros_like(log_f[0])
-            lam_new = start + log_f.cumsum(0)
-            self.lam = lam_new if self.lam is None else torch.cat((self.lam, lam_new))
-            logits = logits + (lam_new.T[:, :, None] - self.lam.T[:, None, :])
+        logits = torch.einsum("qhd,khd->hqk", q.to(acc), keys.repeat_interleave(groups, dim=1).to(acc))
+        logits = logits * q.shape[-1] ** -0.5
+        if lam is not None:
+            logits = logits + (lam_new.T[:, :, None] - lam.T[:, None, :])
         q_pos = torch.arange(total - n, total, device=q.device)
         allowed = q_pos[:, None] >= torch.arange(total, device=q.device)[None, :]
         probs = logits.masked_fill(~allowed, float("-inf")).softmax(-1)
-        return torch.einsum("hqk,khd->qhd", probs, values).to(q.dtype)
+        return torch.einsum("hqk,khd->qhd", probs, values.repeat_interleave(groups, dim=1).to(acc)).to(q.dtype)
 
 
 class Cache(list):
