@@ -45,14 +45,12 @@ SMALL = {"bounds": {"ACP": True, "T": fk.TILE}, "prepare": {"DECAY": True, "BLOC
 """The small kernels around the three attention kernels: no tiles to tune, one shape each."""
 
 
-def compile_kernel(fn, constants: dict, warps: int, stages: int, arch: int, types: dict | None = None):
-    """Compile `fn` for compute capability `arch` with the given constexpr values (and argument
-    types that differ from POINTERS)."""
+def compile_kernel(fn, constants: dict, warps: int, stages: int, arch: int):
+    """Compile `fn` for compute capability `arch` with the given constexpr values."""
     missing = {fn.arg_names[i] for i in fn.constexprs} - set(constants)
     if missing:
         raise ValueError(f"{fn.__name__}: no value for constexpr {sorted(missing)}")
-    types = POINTERS | (types or {})
-    signature = {name: "constexpr" if i in fn.constexprs else types.get(name, "i32")
+    signature = {name: "constexpr" if i in fn.constexprs else POINTERS.get(name, "i32")
                  for i, name in enumerate(fn.arg_names)}
     src = ASTSource(fn=fn, signature=signature,
                     constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()})
@@ -80,18 +78,14 @@ def ptxas_report(ptx: str, arch: int) -> dict:
 def measure(kernel: str, d: int, groups: int, option: tuple[int, int, int, int], arch: int, variant: str) -> dict:
     fn, _ = KERNELS[kernel]
     bm, bn, warps, stages = option
-    split, atomic = fk.VARIANTS[variant]
-    types = {}
+    split = fk.VARIANTS[variant]
     if kernel == "bwd_prep":
         constants = SMALL[kernel] | {"D": d}
     elif kernel in SMALL:
         constants = SMALL[kernel]
     else:
         constants = {"GROUPS": groups, "D": d, "BM": bm, "BN": bn, "T": fk.TILE, "PREC": "tf32", "SPLIT": split}
-    if kernel == "dkdv":
-        constants["ATOMIC"] = atomic
-        types = {"DQ": "*fp32"} if atomic else {}
-    compiled = compile_kernel(fn, constants, warps, stages, arch, types)
+    compiled = compile_kernel(fn, constants, warps, stages, arch)
     row = {"kernel": kernel, "variant": variant, "D": d, "groups": groups, "BM": bm, "BN": bn, "warps": warps,
            "stages": stages,
            **ptxas_report(compiled.asm["ptx"], arch), "shared_bytes": compiled.metadata.shared}
@@ -118,8 +112,8 @@ def main() -> None:
           f"{'regs':>5} "
           f"{'spill st':>8} {'spill ld':>8} {'smem KiB':>8}")
     for kernel, variant in itertools.product(args.kernels, args.variants):
-        if (kernel in SMALL and variant != args.variants[0]) or (kernel == "dq" and fk.VARIANTS[variant][1]):
-            continue  # the small kernels have no variants; the atomic variant has no dq kernel
+        if kernel in SMALL and variant != args.variants[0]:
+            continue  # the small kernels have no variants
         options = KERNELS[kernel][1][:1] if args.first else KERNELS[kernel][1]
         shapes = [(d, 1) for d in args.dims] if kernel == "bwd_prep" else [(0, 1)] if kernel in SMALL \
             else [(d, g) for d in args.dims for g in args.groups]

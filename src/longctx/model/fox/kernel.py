@@ -362,12 +362,10 @@ def _dq_kernel(Q, K, V, DO, LAM, ROW, DELTA, START, KSTART, DQ, DLAM, N, NB, sq,
 
 
 @triton.jit
-def _dkdv_tiles(dk, dv, dlk, k, v, lam_k, cols, qp, dop, row_p, dlt_p, START, dqp, dlq_p, lo, hi, diag, mid, sq, N,
-                scale, D: tl.constexpr, BM: tl.constexpr, MASK: tl.constexpr, ATOMIC: tl.constexpr,
-                PREC: tl.constexpr):
+def _dkdv_tiles(dk, dv, dlk, k, v, lam_k, cols, qp, dop, row_p, dlt_p, START, lo, hi, diag, mid, sq, N, scale,
+                D: tl.constexpr, BM: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr):
     """Query blocks [lo, hi) against one key block. MASK: 0 none, 1 every tile, 2 only the tiles
-    that need it (the diagonal, below `diag`; rows of later documents, from `mid`). ATOMIC: also
-    add each query block's dq and dLambda row sums to fp32 buffers (no dq kernel)."""
+    that need it (the diagonal, below `diag`; rows of later documents, from `mid`)."""
     dims = tl.arange(0, D)
     for q0 in range(lo, hi, BM):
         rows = q0 + tl.arange(0, BM)
@@ -398,19 +396,13 @@ def _dkdv_tiles(dk, dv, dlk, k, v, lam_k, cols, qp, dop, row_p, dlt_p, START, dq
         dst = pt * (dpt - dlt[None, :])
         dk += tl.dot(dst.to(q.dtype), q, input_precision=PREC)
         dlk += tl.sum(dst, 1)
-        if ATOMIC:
-            # relaxed: nothing reads dq before the kernel ends (ptxas emits fire-and-forget reductions)
-            tl.atomic_add(dqp + rows[:, None] * sq + dims[None, :],
-                          tl.dot(tl.trans(dst).to(k.dtype), k, input_precision=PREC),
-                          mask=valid[:, None], sem="relaxed")
-            tl.atomic_add(dlq_p + rows, tl.sum(dst, 0) / _LOG2E, mask=valid, sem="relaxed")
     return dk, dv, dlk
 
 
 @triton.jit
-def _dkdv_kernel(Q, K, V, DO, LAM, ROW, DELTA, START, END, QEND, DK, DV, DLAM, DQ, N, NB, sq, sk, scale,
+def _dkdv_kernel(Q, K, V, DO, LAM, ROW, DELTA, START, END, QEND, DK, DV, DLAM, N, NB, sq, sk, scale,
                  sm_scale, SIZE, GROUPS: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                 T: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr, ATOMIC: tl.constexpr):
+                 T: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr):
     if SPLIT:
         kb, hk = tl.program_id(0), tl.program_id(1)
     else:  # heads fastest: the first key blocks (the most query blocks to visit) of every head first
@@ -431,25 +423,20 @@ def _dkdv_kernel(Q, K, V, DO, LAM, ROW, DELTA, START, END, QEND, DK, DV, DLAM, D
         dop = DO + h * D
         row_p = ROW + h * N
         dlt_p = DELTA + h * N
-        dqp = DQ + h * D
-        dlq_p = DLAM + h * N
         dlk = tl.zeros([BN], tl.float32)
         if SPLIT:
-            dk, dv, dlk = _dkdv_tiles(dk, dv, dlk, k, v, lam_k, cols, qp, dop, row_p, dlt_p, START, dqp, dlq_p,
-                                      k0, k0 + BN, k0 + BN, mid, sq, N, scale, D, BM, 1, ATOMIC, PREC)
-            dk, dv, dlk = _dkdv_tiles(dk, dv, dlk, k, v, lam_k, cols, qp, dop, row_p, dlt_p, START, dqp, dlq_p,
-                                      k0 + BN, mid, k0 + BN, mid, sq, N, scale, D, BM, 0, ATOMIC, PREC)
-            dk, dv, dlk = _dkdv_tiles(dk, dv, dlk, k, v, lam_k, cols, qp, dop, row_p, dlt_p, START, dqp, dlq_p,
-                                      mid, hi, k0 + BN, mid, sq, N, scale, D, BM, 1, ATOMIC, PREC)
+            dk, dv, dlk = _dkdv_tiles(dk, dv, dlk, k, v, lam_k, cols, qp, dop, row_p, dlt_p, START,
+                                      k0, k0 + BN, k0 + BN, mid, sq, N, scale, D, BM, 1, PREC)
+            dk, dv, dlk = _dkdv_tiles(dk, dv, dlk, k, v, lam_k, cols, qp, dop, row_p, dlt_p, START,
+                                      k0 + BN, mid, k0 + BN, mid, sq, N, scale, D, BM, 0, PREC)
+            dk, dv, dlk = _dkdv_tiles(dk, dv, dlk, k, v, lam_k, cols, qp, dop, row_p, dlt_p, START,
+                                      mid, hi, k0 + BN, mid, sq, N, scale, D, BM, 1, PREC)
         else:
-            dk, dv, dlk = _dkdv_tiles(dk, dv, dlk, k, v, lam_k, cols, qp, dop, row_p, dlt_p, START, dqp, dlq_p,
-                                      k0, hi, k0 + BN, mid, sq, N, scale, D, BM, 2, ATOMIC, PREC)
+            dk, dv, dlk = _dkdv_tiles(dk, dv, dlk, k, v, lam_k, cols, qp, dop, row_p, dlt_p, START,
+                                      k0, hi, k0 + BN, mid, sq, N, scale, D, BM, 2, PREC)
         # dLambda = row sums - column sums of dS (natural log units): the column sums here, the
-        # row sums by the dq kernel after this one (or atomically, with the rest of dq)
-        if ATOMIC:
-            tl.atomic_add(DLAM + h * N + cols, -dlk / _LOG2E, mask=inside, sem="relaxed")
-        else:
-            tl.store(DLAM + h * N + cols, -dlk, mask=inside)
+        # row sums by the dq kernel after this one
+        tl.store(DLAM + h * N + cols, -dlk, mask=inside)
     tl.store(DK + offs, (dk * sm_scale).to(DK.dtype.element_ty), mask=inside[:, None])
     tl.store(DV + offs, dv.to(DV.dtype.element_ty), mask=inside[:, None])
 
@@ -482,18 +469,16 @@ KEY = ["D", "GROUPS", "SIZE", "SPLIT"]
 _fwd = triton.autotune(_configs(FWD_OPTIONS), key=KEY)(_fwd_kernel)
 _dq = triton.autotune(_configs(DQ_OPTIONS), key=KEY)(_dq_kernel)
 _dkdv = triton.autotune(_configs(DKDV_OPTIONS), key=KEY)(_dkdv_kernel)
-# the atomic variant adds into dq: each tuning run starts from zeros
-_dkdv_atomic = triton.autotune(_configs(DKDV_OPTIONS), key=KEY, reset_to_zero=["DQ", "DLAM"])(_dkdv_kernel)
 
-VARIANTS = {"split": (True, False), "fused": (False, False), "atomic": (False, True)}
-"""Kernel arrangements, (SPLIT, ATOMIC), timed side by side by `bench/attention.py --variant`
-(work log: bench/fox_kernel_notes.md):
+VARIANTS = {"split": True, "fused": False}
+"""Kernel arrangements (the kernels' SPLIT flag), timed side by side by `bench/attention.py
+--variant` (work log: bench/fox_kernel_notes.md):
   split   each kernel's loop in three stretches (masked, unmasked, masked), program order by
-          query block, dq by its own kernel
+          query block
   fused   one software-pipelined loop per kernel, the mask under a per-tile branch; programs
           heads-fastest with every head's longest query blocks first
-  atomic  fused, and dq and its dLambda row sums added atomically by the dk/dv kernel: 5 matrix
-          products and 2 exponentials per causal entry instead of 7 and 3"""
+(A third, dq added atomically by the dk/dv kernel, 5 products per entry instead of 7, measured
+1.2-1.35 x slower than these on an H200 and was removed.)"""
 VARIANT = os.environ.get("LONGCTX_FOX_KERNEL", "split")
 if VARIANT not in VARIANTS:
     raise ValueError(f"LONGCTX_FOX_KERNEL={VARIANT!r}: not one of {sorted(VARIANTS)}")
@@ -606,7 +591,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam2: torch.Tens
              variant: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, log-sum-exp [H, N] in log2 units); `end` and `qend` ride along for the backward."""
     n, h, d = q.shape
-    split, _ = VARIANTS[variant]
+    split = VARIANTS[variant]
     o = torch.empty_like(q)
     lse = torch.empty(h, n, dtype=torch.float32, device=q.device)
     _fwd[_grid(n, h, split, "BM")](
@@ -638,7 +623,7 @@ def _backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     """(dq, dk, dv, d Lambda in log2 units)."""
     n, h, d = q.shape
     hk = k.shape[1]
-    split, atomic = VARIANTS[variant]
+    split = VARIANTS[variant]
     nb = kstart.shape[1]
     delta, row = (torch.empty(h, n, dtype=torch.float32, device=q.device) for _ in range(2))
     _bwd_prep_kernel[(triton.cdiv(n, 64), h)](DO=do, OUT=o, LAM=lam2, LSE=lse, DELTA=delta, ROW=row, N=n,
@@ -652,16 +637,10 @@ def _backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     # dLambda (log2 units), from the row and column sums of dS; without the row sums, which
     # vanish in exact arithmetic, the rounding of the bf16 output in delta would pile up in the
     # reverse cumsum to d log f instead of cancelling (it missed the bf16 tolerance on an H200)
-    if atomic:
-        dq32 = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        dlam = torch.zeros(h, n, dtype=torch.float32, device=q.device)
-        _dkdv_atomic[kv_grid](**common, END=end, QEND=qend, DK=dk, DV=dv, DLAM=dlam, DQ=dq32, ATOMIC=True)
-        dq = (dq32 * sm_scale).to(q.dtype)
-    else:
-        dlam = torch.empty(h, n, dtype=torch.float32, device=q.device)
-        _dkdv[kv_grid](**common, END=end, QEND=qend, DK=dk, DV=dv, DLAM=dlam, DQ=dk, ATOMIC=False)
-        dq = torch.empty_like(q)
-        _dq[_grid(n, h, split, "BM")](**common, KSTART=kstart, DQ=dq, DLAM=dlam)
+    dlam = torch.empty(h, n, dtype=torch.float32, device=q.device)
+    _dkdv[kv_grid](**common, END=end, QEND=qend, DK=dk, DV=dv, DLAM=dlam)
+    dq = torch.empty_like(q)
+    _dq[_grid(n, h, split, "BM")](**common, KSTART=kstart, DQ=dq, DLAM=dlam)
     return dq, dk, dv, dlam
 
 
