@@ -16,7 +16,7 @@ CHUNKS_PER_SM = 2  # programs per SM to aim for when splitting the keys
 _LOG2E: tl.constexpr = tl.constexpr(LOG2E)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "CHUNK"])  # lengths change every token: no recompiling as they do
 def _decode_kernel(Q, K, V, LAMQ, LAMK, M, L, ACC, T, CHUNK, sk, slk, scale, GROUPS: tl.constexpr, D: tl.constexpr,
                    DP: tl.constexpr, BN: tl.constexpr, DECAY: tl.constexpr):
     h = tl.program_id(0)
