@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # On a one-GPU CUDA machine without internet: the CUDA tests, then benchmarks (carry .whl:
 # pydantic; fla-core for the attention bench's peer). Logs and JSON go to $OUT (or bench/results).
-#   bash bench/gpu_run.sh [tests] [train_throughput] [model_step] [attention]   (default: all)
+#   bash bench/gpu_run.sh [tests] [train_throughput] [model_step] [attention] [decode]   (default: all)
 set -uo pipefail
 out=${OUT:-bench/results}
 mkdir -p "$out"
 source bench/gpu_env.sh || exit 1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-parts=${*:-tests train_throughput model_step attention}
+parts=${*:-tests train_throughput model_step attention decode}
 status=0
 for part in $parts; do
   case $part in
