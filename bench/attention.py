@@ -5,8 +5,7 @@ and, for FoX, log f) at T in {4K, 16K, 64K}, D in {64, 128}, heads x D = 2048, b
   fla         fla-core's parallel_forgetting_attn, the peer FoX kernel (when installed)
   fox         our Triton kernel, every tile computed
   fox_acp     our kernel with Adaptive Computation Pruning (eps = e^-10), and its kept-tile fraction
-each kernel arrangement of fox and fox_acp named by --variant (fox/kernel.py VARIANTS) timed in
-the same run, with the seconds its first call took (compilation and autotuning).
+with the seconds fox's first call took (compilation and autotuning).
 Inputs: q and k RMS-normalised per head (what QK-norm gives, gains 1, so U = sqrt(D)); forget
 gates synthetic as in GPU-BASELINES.md (per-head gate bias spread evenly over [1, 9] plus
 N(0, 0.5) noise: about half the heads decay fast) unless --gates-from names a trained FoX
@@ -29,7 +28,7 @@ import torch.nn.functional as F
 import triton
 
 from longctx.model.fox import Acp
-from longctx.model.fox.kernel import VARIANT, VARIANTS, fox_attention
+from longctx.model.fox.kernel import fox_attention
 from longctx.perf import write_result
 
 TARGETS = {("fox", 4096): 2.0, ("fox", 16384): 1.3, ("fox_acp", 16384): 0.9, ("fox_acp", 65536): 0.5}
@@ -98,7 +97,7 @@ def inputs(t: int, h: int, d: int, gates: torch.Tensor | None, seed: int):
     return q, k, v, log_f, do
 
 
-def runners(t: int, d: int, q, k, v, log_f, do, acp: Acp, variant: str | None = None):
+def runners(t: int, d: int, q, k, v, log_f, do, acp: Acp):
     cu = torch.tensor([0, t], dtype=torch.int32, device="cuda")
     for x in (q, k, v, log_f):
         x.requires_grad_(True)
@@ -108,10 +107,10 @@ def runners(t: int, d: int, q, k, v, log_f, do, acp: Acp, variant: str | None = 
         return torch.autograd.grad(o, (q, k, v), do.transpose(0, 1)[None])
 
     def fox():
-        return torch.autograd.grad(fox_attention(q, k, v, cu, log_f, variant=variant), (q, k, v, log_f), do)
+        return torch.autograd.grad(fox_attention(q, k, v, cu, log_f), (q, k, v, log_f), do)
 
     def fox_acp():
-        o = fox_attention(q, k, v, cu, log_f, acp=acp, logit_bound=math.sqrt(d), variant=variant)
+        o = fox_attention(q, k, v, cu, log_f, acp=acp, logit_bound=math.sqrt(d))
         return torch.autograd.grad(o, (q, k, v, log_f), do)
 
     out = {"sdpa": sdpa, "fox": fox, "fox_acp": fox_acp}
@@ -128,7 +127,7 @@ def runners(t: int, d: int, q, k, v, log_f, do, acp: Acp, variant: str | None = 
     return {"sdpa": sdpa, "fla": fla, "fox": fox, "fox_acp": fox_acp}
 
 
-def profile(lengths: list[int], dims: list[int], width: int, gates: torch.Tensor | None, variants: list[str]) -> None:
+def profile(lengths: list[int], dims: list[int], width: int, gates: torch.Tensor | None) -> None:
     """Where the time goes, per call of fox and fox_acp: wall ms (events, back to back as timed)
     against the sum of its kernels' ms (the difference is the GPU waiting on the host), the
     launches per call, and the costliest kernels."""
@@ -138,9 +137,8 @@ def profile(lengths: list[int], dims: list[int], width: int, gates: torch.Tensor
     calls = 5
     for d in dims:
         for t in lengths:
-            data = inputs(t, width // d, d, gates, seed=t + d)
-            for name, variant in [("sdpa", None)] + [(n, v) for v in variants for n in ("fox", "fox_acp")]:
-                run = runners(t, d, *data, Acp(), variant)
+            run = runners(t, d, *inputs(t, width // d, d, gates, seed=t + d), Acp())
+            for name in ("sdpa", "fox", "fox_acp"):
                 for _ in range(3):
                     run[name]()
                 torch.cuda.synchronize()
@@ -155,8 +153,7 @@ def profile(lengths: list[int], dims: list[int], width: int, gates: torch.Tensor
                            if str(e.device_type).endswith("CUDA") and e.self_device_time_total and "#" not in e.key]
                 busy = sum(e.self_device_time_total for e in kernels) / 1e3 / calls
                 launches = sum(e.count for e in kernels) / calls
-                label = f"{name} ({variant})" if variant else name
-                print(f"== {label} T={t} D={d}: wall {begin.elapsed_time(end) / calls:.3f} ms per call (profiled), "
+                print(f"== {name} T={t} D={d}: wall {begin.elapsed_time(end) / calls:.3f} ms per call (profiled), "
                       f"kernels {busy:.3f} ms, {launches:.0f} launches")
                 for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:10]:
                     print(f"   {e.self_device_time_total / 1e3 / calls:8.3f} ms  x{e.count // calls:<3} {e.key[:90]}")
@@ -174,65 +171,56 @@ def main() -> None:
     ap.add_argument("--gates-from", type=Path, help="a trained FoX checkpoint whose forget gates to use")
     ap.add_argument("--gates-data", type=Path, help="a packed split (data/packed/<split>/<part>) to run it on")
     ap.add_argument("--fla-max", type=int, default=16384, help="longest T for fla (its 64K run is minutes)")
-    ap.add_argument("--variant", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
-                    help="kernel arrangements to time side by side (default all)")
     ap.add_argument("--profile", action="store_true", help="print each kernel's time for fox and fox_acp, no table")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     args = ap.parse_args()
     gates = model_gates(args.gates_from, max(args.lengths), args.gates_data) if args.gates_from else None
     if args.profile:
-        return profile(args.lengths, args.dims, args.width, gates, args.variant)
-
-    def timed(fn, t: int) -> float:
-        return triton.testing.do_bench(fn, warmup=100, rep=400 if t < 65536 else 2000, return_mode="median")
+        return profile(args.lengths, args.dims, args.width, gates)
 
     rows = []
     for d in args.dims:
         h = args.width // d
         for t in args.lengths:
-            data = inputs(t, h, d, gates, seed=t + d)
-            peers = {"T": t, "D": d, "H": h, "gates": str(args.gates_from) if gates is not None else "synthetic"}
-            for name, fn in runners(t, d, *data, Acp()).items():
-                if name in ("sdpa", "fla") and (name == "sdpa" or t <= args.fla_max):
-                    peers[f"{name}_ms"] = timed(fn, t)
-            for variant in args.variant:
-                acp = Acp()
-                row = dict(peers, variant=variant)
-                run = runners(t, d, *data, acp, variant)
-                for name in ("fox", "fox_acp"):
+            acp = Acp()
+            row = {"T": t, "D": d, "H": h, "gates": str(args.gates_from) if gates is not None else "synthetic"}
+            for name, fn in runners(t, d, *inputs(t, h, d, gates, seed=t + d), acp).items():
+                if name == "fla" and t > args.fla_max:
+                    continue
+                if name == "fox":
                     begin = time.perf_counter()
-                    run[name]()
+                    fn()
                     torch.cuda.synchronize()
-                    row[f"{name}_first_call_s"] = time.perf_counter() - begin
-                    row[f"{name}_ms"] = timed(run[name], t)
+                    row["fox_first_call_s"] = time.perf_counter() - begin
+                ms = triton.testing.do_bench(fn, warmup=100, rep=400 if t < 65536 else 2000, return_mode="median")
+                row[f"{name}_ms"] = ms
+                row[f"{name}_tflops"] = flops(t, h, d) / ms / 1e9
+                if name == "fox_acp":
+                    acp.stats.pruned_fraction()  # the warm-up and timed calls: reset, then one clean call
+                    fn()
+                    row["kept_fraction"] = 1 - acp.stats.pruned_fraction()
                 torch.cuda.empty_cache()
-                acp.stats.pruned_fraction()  # the warm-up and timed calls: reset, then one clean call
-                run["fox_acp"]()
-                row["kept_fraction"] = 1 - acp.stats.pruned_fraction()
-                for name in ("sdpa", "fla", "fox", "fox_acp"):
-                    if f"{name}_ms" in row:
-                        row[f"{name}_tflops"] = flops(t, h, d) / row[f"{name}_ms"] / 1e9
-                        row[f"{name}_vs_sdpa"] = row[f"{name}_ms"] / row["sdpa_ms"]
-                rows.append(row)
-                print({k_: round(x, 3) if isinstance(x, float) else x for k_, x in row.items()}, flush=True)
+            for name in ("fla", "fox", "fox_acp"):
+                if f"{name}_ms" in row:
+                    row[f"{name}_vs_sdpa"] = row[f"{name}_ms"] / row["sdpa_ms"]
+            rows.append(row)
+            print({k_: round(x, 3) if isinstance(x, float) else x for k_, x in row.items()}, flush=True)
 
-    print(f"{'T':>6} {'D':>4} {'variant':<7} {'sdpa ms':>8} {'fla ms':>8} {'fox ms':>8} {'acp ms':>8} {'kept':>6} "
+    print(f"{'T':>6} {'D':>4} {'sdpa ms':>8} {'fla ms':>8} {'fox ms':>8} {'acp ms':>8} {'kept':>6} "
           f"{'fla/sdpa':>8} {'fox/sdpa':>8} {'acp/sdpa':>8} {'1st s':>6}")
     for r in rows:
         cells = [cell(r, key) for key in ("sdpa_ms", "fla_ms", "fox_ms", "fox_acp_ms")] + [cell(r, "kept_fraction", 6)]
         cells += [cell(r, f"{key}_vs_sdpa") for key in ("fla", "fox", "fox_acp")] + [cell(r, "fox_first_call_s", 6)]
-        print(f"{r['T']:>6} {r['D']:>4} {r['variant']:<7} " + " ".join(cells))
+        print(f"{r['T']:>6} {r['D']:>4} " + " ".join(cells))
     verdicts = {}
-    for variant in args.variant:
-        for (name, t), limit in TARGETS.items():
-            got = [r[f"{name}_vs_sdpa"] for r in rows if r["T"] == t and r["variant"] == variant]
-            if got:
-                met = all(x <= limit for x in got)
-                verdicts[f"{variant}:{name}@{t}<={limit}"] = {"ratios": got, "met": met}
-                print(f"target {name} ({variant}) at T={t}: <= {limit} x sdpa: {[f'{x:.2f}' for x in got]} "
-                      f"{'met' if met else 'NOT met'}")
-    write_result(args.out, "attention", {"rows": rows, "targets": verdicts, "triton": triton.__version__,
-                                         "default_variant": VARIANT})
+    for (name, t), limit in TARGETS.items():
+        got = [r[f"{name}_vs_sdpa"] for r in rows if r["T"] == t and f"{name}_vs_sdpa" in r]
+        if got:
+            met = all(x <= limit for x in got)
+            verdicts[f"{name}@{t}<={limit}"] = {"ratios": got, "met": met}
+            print(f"target {name} at T={t}: <= {limit} x sdpa: {[f'{x:.2f}' for x in got]} "
+                  f"{'met' if met else 'NOT met'}")
+    write_result(args.out, "attention", {"rows": rows, "targets": verdicts, "triton": triton.__version__})
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ import os
 os.environ.pop("TRITON_INTERPRET", None)  # compile for the GPU even where tests interpret kernels
 
 import argparse  # noqa: E402
-import itertools  # noqa: E402
 import re  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
@@ -35,7 +34,7 @@ SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448}
 POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "OUT": "*bf16", "DO": "*bf16", "DQ": "*bf16", "DK": "*bf16",
             "DV": "*bf16", "LAM": "*fp32", "ROW": "*fp32", "DELTA": "*fp32", "LSE": "*fp32", "DLQ": "*fp32",
             "DLAM": "*fp32", "START": "*i32", "END": "*i32", "KSTART": "*i32", "QEND": "*i32", "scale": "fp32",
-            "sm_scale": "fp32", "O": "*bf16", "LOGF": "*fp32", "DLOGF": "*fp32", "CU": "*i32", "TILES": "*i32"}
+            "sm_scale": "fp32", "LOGF": "*fp32", "DLOGF": "*fp32", "CU": "*i32", "TILES": "*i32"}
 KERNELS = {"fwd": (fk._fwd_kernel, fk.FWD_OPTIONS), "dq": (fk._dq_kernel, fk.DQ_OPTIONS),
            "dkdv": (fk._dkdv_kernel, fk.DKDV_OPTIONS), "bounds": (fk._bounds_kernel, [(0, 0, 1, 1)]),
            "prepare": (fk._prepare_kernel, [(0, 0, 4, 1)]), "dlogf": (fk._dlogf_kernel, [(0, 0, 4, 1)]),
@@ -75,19 +74,17 @@ def ptxas_report(ptx: str, arch: int) -> dict:
     return {"registers": int(regs[1]), "spill_stores": int(spills[1]), "spill_loads": int(spills[2])}
 
 
-def measure(kernel: str, d: int, groups: int, option: tuple[int, int, int, int], arch: int, variant: str) -> dict:
+def measure(kernel: str, d: int, groups: int, option: tuple[int, int, int, int], arch: int) -> dict:
     fn, _ = KERNELS[kernel]
     bm, bn, warps, stages = option
-    split = fk.VARIANTS[variant]
     if kernel == "bwd_prep":
         constants = SMALL[kernel] | {"D": d}
     elif kernel in SMALL:
         constants = SMALL[kernel]
     else:
-        constants = {"GROUPS": groups, "D": d, "BM": bm, "BN": bn, "T": fk.TILE, "PREC": "tf32", "SPLIT": split}
+        constants = {"GROUPS": groups, "D": d, "BM": bm, "BN": bn, "T": fk.TILE, "PREC": "tf32"}
     compiled = compile_kernel(fn, constants, warps, stages, arch)
-    row = {"kernel": kernel, "variant": variant, "D": d, "groups": groups, "BM": bm, "BN": bn, "warps": warps,
-           "stages": stages,
+    row = {"kernel": kernel, "D": d, "groups": groups, "BM": bm, "BN": bn, "warps": warps, "stages": stages,
            **ptxas_report(compiled.asm["ptx"], arch), "shared_bytes": compiled.metadata.shared}
     row["fits"] = row["shared_bytes"] <= SHARED_LIMIT[arch]
     return row
@@ -99,7 +96,6 @@ def main() -> None:
     ap.add_argument("--kernels", nargs="+", default=list(KERNELS), choices=list(KERNELS))
     ap.add_argument("--dims", type=int, nargs="+", default=[64, 128], help="(padded) head dims")
     ap.add_argument("--groups", type=int, nargs="+", default=[1], help="query heads per KV head")
-    ap.add_argument("--variants", nargs="+", default=list(fk.VARIANTS), choices=list(fk.VARIANTS))
     ap.add_argument("--first", action="store_true", help="only each kernel's first (untuned default) option")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     args = ap.parse_args()
@@ -108,21 +104,17 @@ def main() -> None:
             ap.error(f"--dims: {d} is not a power of two >= 16 (the kernels pad head dims to one)")
 
     rows = []
-    print(f"{'kernel':<7} {'variant':<7} {'D':>4} {'grp':>3} {'BM':>4} {'BN':>4} {'warps':>5} {'stages':>6} "
-          f"{'regs':>5} "
+    print(f"{'kernel':<8} {'D':>4} {'grp':>3} {'BM':>4} {'BN':>4} {'warps':>5} {'stages':>6} {'regs':>5} "
           f"{'spill st':>8} {'spill ld':>8} {'smem KiB':>8}")
-    for kernel, variant in itertools.product(args.kernels, args.variants):
-        if kernel in SMALL and variant != args.variants[0]:
-            continue  # the small kernels have no variants
+    for kernel in args.kernels:
         options = KERNELS[kernel][1][:1] if args.first else KERNELS[kernel][1]
         shapes = [(d, 1) for d in args.dims] if kernel == "bwd_prep" else [(0, 1)] if kernel in SMALL \
             else [(d, g) for d in args.dims for g in args.groups]
         for d, groups in shapes:
             for option in options:
-                r = measure(kernel, d, groups, option, args.arch, variant)
+                r = measure(kernel, d, groups, option, args.arch)
                 rows.append(r)
-                print(f"{kernel:<7} {variant:<7} {d:>4} {groups:>3} {r['BM']:>4} {r['BN']:>4} {r['warps']:>5} "
-                      f"{r['stages']:>6} "
+                print(f"{kernel:<8} {d:>4} {groups:>3} {r['BM']:>4} {r['BN']:>4} {r['warps']:>5} {r['stages']:>6} "
                       f"{r['registers']:>5} {r['spill_stores']:>8} {r['spill_loads']:>8} "
                       f"{r['shared_bytes'] / 1024:>8.1f}{'' if r['fits'] else '  too much shared memory'}",
                       flush=True)

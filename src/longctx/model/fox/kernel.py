@@ -219,41 +219,11 @@ def _key_side(K, V, LAM, START, KSTART, h, q0, N, NB, GROUPS: tl.constexpr, D: t
 
 
 @triton.jit
-def _fwd_loop(acc, den, m, q, lam_q, st_q, rows, kp, vp, lamk, lo, mid, q0, sk, N, scale,
-              D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
-    """The split variant's three stretches as one software-pipelined loop: the mask only on
-    tiles that need it (keys of earlier documents below `mid`, the diagonal)."""
-    dims = tl.arange(0, D)
-    for k0 in range(lo, q0 + BM, BN):
-        cols = k0 + tl.arange(0, BN)
-        k, v, lam_k = _load_keys(kp, vp, lamk, cols, dims, sk, N, True)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale + (lam_q[:, None] - lam_k[None, :])
-        if (k0 < mid) | (k0 + BN > q0):
-            keep = (cols[None, :] <= rows[:, None]) & (cols[None, :] >= st_q[:, None])
-            s = tl.where(keep, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        den = den * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-        m = m_new
-    return acc, den, m
-
-
-@triton.jit
-def _query_block(SPLIT: tl.constexpr):
-    """(query block, head) of this program. Split: grid (blocks, heads) in program order; the
-    others: grid (heads, blocks), every head's longest block first, so the last wave is light."""
-    if SPLIT:
-        return tl.program_id(0), tl.program_id(1)
-    return tl.num_programs(1) - 1 - tl.program_id(1), tl.program_id(0)
-
-
-@triton.jit
 def _fwd_kernel(Q, K, V, LAM, START, KSTART, OUT, LSE, N, NB, sq, sk, scale, SIZE,
                 GROUPS: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                T: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr):
-    qb, h = _query_block(SPLIT)
+                T: tl.constexpr, PREC: tl.constexpr):
+    qb = tl.program_id(0)
+    h = tl.program_id(1)
     q0 = qb * BM
     rows = q0 + tl.arange(0, BM)
     dims = tl.arange(0, D)
@@ -265,16 +235,12 @@ def _fwd_kernel(Q, K, V, LAM, START, KSTART, OUT, LSE, N, NB, sq, sk, scale, SIZ
     m = tl.full([BM], -1.0e30, tl.float32)
     den = tl.zeros([BM], tl.float32)
     acc = tl.zeros([BM, D], tl.float32)
-    if SPLIT:
-        acc, den, m = _fwd_tiles(acc, den, m, q, lam_q, st_q, rows, kp, vp, lamk, lo, mid, sk, N, scale,
-                                 D, BN, True, PREC)
-        acc, den, m = _fwd_tiles(acc, den, m, q, lam_q, st_q, rows, kp, vp, lamk, mid, q0, sk, N, scale,
-                                 D, BN, False, PREC)
-        acc, den, m = _fwd_tiles(acc, den, m, q, lam_q, st_q, rows, kp, vp, lamk, q0, q0 + BM, sk, N, scale,
-                                 D, BN, True, PREC)
-    else:
-        acc, den, m = _fwd_loop(acc, den, m, q, lam_q, st_q, rows, kp, vp, lamk, lo, mid, q0, sk, N, scale,
-                                D, BM, BN, PREC)
+    acc, den, m = _fwd_tiles(acc, den, m, q, lam_q, st_q, rows, kp, vp, lamk, lo, mid, sk, N, scale,
+                             D, BN, True, PREC)
+    acc, den, m = _fwd_tiles(acc, den, m, q, lam_q, st_q, rows, kp, vp, lamk, mid, q0, sk, N, scale,
+                             D, BN, False, PREC)
+    acc, den, m = _fwd_tiles(acc, den, m, q, lam_q, st_q, rows, kp, vp, lamk, q0, q0 + BM, sk, N, scale,
+                             D, BN, True, PREC)
     o = acc / den[:, None]
     tl.store(OUT + rows[:, None] * sq + h * D + dims[None, :], o.to(OUT.dtype.element_ty), mask=valid[:, None])
     tl.store(LSE + h * N + rows, m + tl.log2(den), mask=valid)
@@ -315,30 +281,11 @@ def _dq_tiles(dq, dlq, q, do, r_q, dlt, st_q, rows, kp, vp, lamk, lo, hi, sk, N,
 
 
 @triton.jit
-def _dq_loop(dq, dlq, q, do, r_q, dlt, st_q, rows, kp, vp, lamk, lo, mid, q0, sk, N, scale,
-             D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr):
-    """`_dq_tiles` over all stretches in one loop, the mask only where needed (`_fwd_loop`)."""
-    dims = tl.arange(0, D)
-    for k0 in range(lo, q0 + BM, BN):
-        cols = k0 + tl.arange(0, BN)
-        k, v, lam_k = _load_keys(kp, vp, lamk, cols, dims, sk, N, True)
-        p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=PREC) * scale + (r_q[:, None] - lam_k[None, :]))
-        if (k0 < mid) | (k0 + BN > q0):
-            keep = (cols[None, :] <= rows[:, None]) & (cols[None, :] >= st_q[:, None])
-            p = tl.where(keep, p, 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-        ds = p * (dp - dlt[:, None])
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
-        dlq += tl.sum(ds, 1)
-    return dq, dlq
-
-
-@triton.jit
 def _dq_kernel(Q, K, V, DO, LAM, ROW, DELTA, START, KSTART, DQ, DLAM, N, NB, sq, sk, scale, sm_scale, SIZE,
                GROUPS: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-               T: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr):
-    qb, h = _query_block(SPLIT)
-    q0 = qb * BM
+               T: tl.constexpr, PREC: tl.constexpr):
+    h = tl.program_id(1)
+    q0 = tl.program_id(0) * BM
     q, do, rows, valid, offs = _block_pair(Q, DO, q0, sq, h, N, BM, D)
     r_q = tl.load(ROW + h * N + rows, mask=valid, other=0.0)
     dlt = tl.load(DELTA + h * N + rows, mask=valid, other=0.0)
@@ -346,51 +293,40 @@ def _dq_kernel(Q, K, V, DO, LAM, ROW, DELTA, START, KSTART, DQ, DLAM, N, NB, sq,
     kp, vp, lamk, lo, mid = _key_side(K, V, LAM, START, KSTART, h, q0, N, NB, GROUPS, D, BM, BN, T)
     dq = tl.zeros([BM, D], tl.float32)
     dlq = tl.zeros([BM], tl.float32)
-    if SPLIT:
-        dq, dlq = _dq_tiles(dq, dlq, q, do, r_q, dlt, st_q, rows, kp, vp, lamk, lo, mid, sk, N, scale,
-                            D, BN, True, PREC)
-        dq, dlq = _dq_tiles(dq, dlq, q, do, r_q, dlt, st_q, rows, kp, vp, lamk, mid, q0, sk, N, scale,
-                            D, BN, False, PREC)
-        dq, dlq = _dq_tiles(dq, dlq, q, do, r_q, dlt, st_q, rows, kp, vp, lamk, q0, q0 + BM, sk, N, scale,
-                            D, BN, True, PREC)
-    else:
-        dq, dlq = _dq_loop(dq, dlq, q, do, r_q, dlt, st_q, rows, kp, vp, lamk, lo, mid, q0, sk, N, scale,
-                           D, BM, BN, PREC)
+    dq, dlq = _dq_tiles(dq, dlq, q, do, r_q, dlt, st_q, rows, kp, vp, lamk, lo, mid, sk, N, scale,
+                        D, BN, True, PREC)
+    dq, dlq = _dq_tiles(dq, dlq, q, do, r_q, dlt, st_q, rows, kp, vp, lamk, mid, q0, sk, N, scale,
+                        D, BN, False, PREC)
+    dq, dlq = _dq_tiles(dq, dlq, q, do, r_q, dlt, st_q, rows, kp, vp, lamk, q0, q0 + BM, sk, N, scale,
+                        D, BN, True, PREC)
     tl.store(DQ + offs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=valid[:, None])
     dlam = DLAM + h * N + rows  # holds the column sums from the dk/dv kernel
     tl.store(dlam, (dlq + tl.load(dlam, mask=valid, other=0.0)) / _LOG2E, mask=valid)
 
 
 @triton.jit
-def _dkdv_tiles(dk, dv, dlk, k, v, lam_k, cols, qp, dop, row_p, dlt_p, START, lo, hi, diag, mid, sq, N, scale,
+def _dkdv_tiles(dk, dv, dlk, k, v, lam_k, cols, qp, dop, row_p, dlt_p, START, lo, hi, sq, N, scale,
                 D: tl.constexpr, BM: tl.constexpr, MASK: tl.constexpr, PREC: tl.constexpr):
-    """Query blocks [lo, hi) against one key block. MASK: 0 none, 1 every tile, 2 only the tiles
-    that need it (the diagonal, below `diag`; rows of later documents, from `mid`)."""
     dims = tl.arange(0, D)
     for q0 in range(lo, hi, BM):
         rows = q0 + tl.arange(0, BM)
-        valid = rows < N
-        if MASK == 0:
-            q = tl.load(qp + rows[:, None] * sq + dims[None, :])
-            do = tl.load(dop + rows[:, None] * sq + dims[None, :])
-            r_q = tl.load(row_p + rows)
-            dlt = tl.load(dlt_p + rows)
-        else:
+        if MASK:
+            valid = rows < N
             q = tl.load(qp + rows[:, None] * sq + dims[None, :], mask=valid[:, None], other=0.0)
             do = tl.load(dop + rows[:, None] * sq + dims[None, :], mask=valid[:, None], other=0.0)
             r_q = tl.load(row_p + rows, mask=valid, other=0.0)
             dlt = tl.load(dlt_p + rows, mask=valid, other=0.0)
+            st_q = tl.load(START + rows, mask=valid, other=N)
+        else:
+            q = tl.load(qp + rows[:, None] * sq + dims[None, :])
+            do = tl.load(dop + rows[:, None] * sq + dims[None, :])
+            r_q = tl.load(row_p + rows)
+            dlt = tl.load(dlt_p + rows)
         qk = tl.dot(k, tl.trans(q), input_precision=PREC)  # [BN, BM]
         pt = tl.exp2(qk * scale + (r_q[None, :] - lam_k[:, None]))
-        if MASK == 1:
-            st_q = tl.load(START + rows, mask=valid, other=N)
+        if MASK:
             keep = (cols[:, None] <= rows[None, :]) & (cols[:, None] >= st_q[None, :])
             pt = tl.where(keep, pt, 0.0)
-        if MASK == 2:
-            if (q0 < diag) | (q0 >= mid):
-                st_q = tl.load(START + rows, mask=valid, other=N)
-                keep = (cols[:, None] <= rows[None, :]) & (cols[:, None] >= st_q[None, :])
-                pt = tl.where(keep, pt, 0.0)
         dv += tl.dot(pt.to(do.dtype), do, input_precision=PREC)
         dpt = tl.dot(v, tl.trans(do), input_precision=PREC)
         dst = pt * (dpt - dlt[None, :])
@@ -402,12 +338,9 @@ def _dkdv_tiles(dk, dv, dlk, k, v, lam_k, cols, qp, dop, row_p, dlt_p, START, lo
 @triton.jit
 def _dkdv_kernel(Q, K, V, DO, LAM, ROW, DELTA, START, END, QEND, DK, DV, DLAM, N, NB, sq, sk, scale,
                  sm_scale, SIZE, GROUPS: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                 T: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr):
-    if SPLIT:
-        kb, hk = tl.program_id(0), tl.program_id(1)
-    else:  # heads fastest: the first key blocks (the most query blocks to visit) of every head first
-        kb, hk = tl.program_id(1), tl.program_id(0)
-    k0 = kb * BN
+                 T: tl.constexpr, PREC: tl.constexpr):
+    hk = tl.program_id(1)
+    k0 = tl.program_id(0) * BN
     k, v, cols, inside, offs = _block_pair(K, V, k0, sk, hk, N, BN, D)
     dk = tl.zeros([BN, D], tl.float32)
     dv = tl.zeros([BN, D], tl.float32)
@@ -424,16 +357,12 @@ def _dkdv_kernel(Q, K, V, DO, LAM, ROW, DELTA, START, END, QEND, DK, DV, DLAM, N
         row_p = ROW + h * N
         dlt_p = DELTA + h * N
         dlk = tl.zeros([BN], tl.float32)
-        if SPLIT:
-            dk, dv, dlk = _dkdv_tiles(dk, dv, dlk, k, v, lam_k, cols, qp, dop, row_p, dlt_p, START,
-                                      k0, k0 + BN, k0 + BN, mid, sq, N, scale, D, BM, 1, PREC)
-            dk, dv, dlk = _dkdv_tiles(dk, dv, dlk, k, v, lam_k, cols, qp, dop, row_p, dlt_p, START,
-                                      k0 + BN, mid, k0 + BN, mid, sq, N, scale, D, BM, 0, PREC)
-            dk, dv, dlk = _dkdv_tiles(dk, dv, dlk, k, v, lam_k, cols, qp, dop, row_p, dlt_p, START,
-                                      mid, hi, k0 + BN, mid, sq, N, scale, D, BM, 1, PREC)
-        else:
-            dk, dv, dlk = _dkdv_tiles(dk, dv, dlk, k, v, lam_k, cols, qp, dop, row_p, dlt_p, START,
-                                      k0, hi, k0 + BN, mid, sq, N, scale, D, BM, 2, PREC)
+        dk, dv, dlk = _dkdv_tiles(dk, dv, dlk, k, v, lam_k, cols, qp, dop, row_p, dlt_p, START,
+                                  k0, k0 + BN, sq, N, scale, D, BM, True, PREC)
+        dk, dv, dlk = _dkdv_tiles(dk, dv, dlk, k, v, lam_k, cols, qp, dop, row_p, dlt_p, START,
+                                  k0 + BN, mid, sq, N, scale, D, BM, False, PREC)
+        dk, dv, dlk = _dkdv_tiles(dk, dv, dlk, k, v, lam_k, cols, qp, dop, row_p, dlt_p, START,
+                                  mid, hi, sq, N, scale, D, BM, True, PREC)
         # dLambda = row sums - column sums of dS (natural log units): the column sums here, the
         # row sums by the dq kernel after this one
         tl.store(DLAM + h * N + cols, -dlk, mask=inside)
@@ -465,23 +394,11 @@ DQ_OPTIONS = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)
 DKDV_OPTIONS = [(64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 4, 3), (32, 128, 8, 3), (64, 64, 4, 3),
                 (32, 64, 4, 3), (64, 128, 8, 1), (16, 128, 4, 3), (32, 128, 4, 2), (32, 64, 8, 3)]
 # tuned per head dim, GQA group and power-of-two length class (not per length: prompts vary)
-KEY = ["D", "GROUPS", "SIZE", "SPLIT"]
+KEY = ["D", "GROUPS", "SIZE"]
 _fwd = triton.autotune(_configs(FWD_OPTIONS), key=KEY)(_fwd_kernel)
 _dq = triton.autotune(_configs(DQ_OPTIONS), key=KEY)(_dq_kernel)
 _dkdv = triton.autotune(_configs(DKDV_OPTIONS), key=KEY)(_dkdv_kernel)
 
-VARIANTS = {"split": True, "fused": False}
-"""Kernel arrangements (the kernels' SPLIT flag), timed side by side by `bench/attention.py
---variant` (work log: bench/fox_kernel_notes.md):
-  split   each kernel's loop in three stretches (masked, unmasked, masked), program order by
-          query block
-  fused   one software-pipelined loop per kernel, the mask under a per-tile branch; programs
-          heads-fastest with every head's longest query blocks first
-(A third, dq added atomically by the dk/dv kernel, 5 products per entry instead of 7, measured
-1.2-1.35 x slower than these on an H200 and was removed.)"""
-VARIANT = os.environ.get("LONGCTX_FOX_KERNEL", "split")
-if VARIANT not in VARIANTS:
-    raise ValueError(f"LONGCTX_FOX_KERNEL={VARIANT!r}: not one of {sorted(VARIANTS)}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -495,10 +412,6 @@ def prepare(log_f: torch.Tensor | None, cu_seqlens: torch.Tensor, n: int,
     return _prepare(log_f, cu_seqlens.to(torch.int32), n, heads)
 
 
-def _doc_search_steps(cu: torch.Tensor) -> int:
-    return max(1, (cu.numel() - 1).bit_length())
-
-
 @torch.library.custom_op("longctx::fox_prepare", mutates_args=())
 def _prepare(log_f: torch.Tensor | None, cu: torch.Tensor, n: int,
              heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -510,7 +423,7 @@ def _prepare(log_f: torch.Tensor | None, cu: torch.Tensor, n: int,
     decay = log_f is not None
     _prepare_kernel[(heads,)](
         LOGF=log_f if decay else lam2, CU=cu, LAM=lam2, START=start, END=end, KSTART=kstart, QEND=qend, N=n,
-        NB=nb, DOCS=cu.numel() - 1, STEPS=_doc_search_steps(cu), sfn=log_f.stride(0) if decay else 0,
+        NB=nb, DOCS=cu.numel() - 1, STEPS=max(1, (cu.numel() - 1).bit_length()), sfn=log_f.stride(0) if decay else 0,
         sfh=log_f.stride(1) if decay else 0, DECAY=decay, BLOCK=_SCAN_BLOCK, T=TILE, num_warps=4)
     return lam2, start, end, kstart, qend
 
@@ -587,80 +500,65 @@ def _(lam2, delta2, start, acp):
 
 @torch.library.custom_op("longctx::fox_forward", mutates_args=())
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam2: torch.Tensor, start: torch.Tensor,
-             end: torch.Tensor, kstart: torch.Tensor, qend: torch.Tensor, sm_scale: float,
-             variant: str) -> tuple[torch.Tensor, torch.Tensor]:
+             end: torch.Tensor, kstart: torch.Tensor, qend: torch.Tensor,
+             sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, log-sum-exp [H, N] in log2 units); `end` and `qend` ride along for the backward."""
     n, h, d = q.shape
-    split = VARIANTS[variant]
     o = torch.empty_like(q)
     lse = torch.empty(h, n, dtype=torch.float32, device=q.device)
-    _fwd[_grid(n, h, split, "BM")](
+    _fwd[lambda meta: (triton.cdiv(n, meta["BM"]), h)](
         Q=q, K=k, V=v, LAM=lam2, START=start, KSTART=kstart, OUT=o, LSE=lse, N=n, NB=kstart.shape[1],
         sq=q.stride(0), sk=k.stride(0), scale=sm_scale * LOG2E, SIZE=n.bit_length(), GROUPS=h // k.shape[1],
-        D=d, T=TILE, PREC=_precision(q), SPLIT=split)
+        D=d, T=TILE, PREC=_precision(q))
     return o, lse
 
 
 @_forward.register_fake
-def _(q, k, v, lam2, start, end, kstart, qend, sm_scale, variant):
+def _(q, k, v, lam2, start, end, kstart, qend, sm_scale):
     return torch.empty_like(q), q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
-
-
-def _grid(n: int, heads: int, split: bool, block: str):
-    """Programs over the blocks of meta[block] tokens and the heads, in the order the kernels
-    read their program ids (`_query_block`, `_dkdv_kernel`)."""
-    def grid(meta):
-        blocks = triton.cdiv(n, meta[block])
-        return (blocks, heads) if split else (heads, blocks)
-    return grid
 
 
 @torch.library.custom_op("longctx::fox_backward", mutates_args=())
 def _backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
               lse: torch.Tensor, lam2: torch.Tensor, start: torch.Tensor, end: torch.Tensor, kstart: torch.Tensor,
-              qend: torch.Tensor, sm_scale: float,
-              variant: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+              qend: torch.Tensor, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, d Lambda in log2 units)."""
     n, h, d = q.shape
     hk = k.shape[1]
-    split = VARIANTS[variant]
     nb = kstart.shape[1]
     delta, row = (torch.empty(h, n, dtype=torch.float32, device=q.device) for _ in range(2))
     _bwd_prep_kernel[(triton.cdiv(n, 64), h)](DO=do, OUT=o, LAM=lam2, LSE=lse, DELTA=delta, ROW=row, N=n,
                                               sq=q.stride(0), D=d, BLOCK=64, num_warps=4)
     common = dict(Q=q, K=k, V=v, DO=do, LAM=lam2, ROW=row, DELTA=delta, START=start, N=n, NB=nb, sq=q.stride(0),
                   sk=k.stride(0), scale=sm_scale * LOG2E, sm_scale=sm_scale, SIZE=n.bit_length(), GROUPS=h // hk,
-                  D=d, T=TILE, PREC=_precision(q), SPLIT=split)
+                  D=d, T=TILE, PREC=_precision(q))
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
-    kv_grid = _grid(n, hk, split, "BN")
     # dLambda (log2 units), from the row and column sums of dS; without the row sums, which
     # vanish in exact arithmetic, the rounding of the bf16 output in delta would pile up in the
     # reverse cumsum to d log f instead of cancelling (it missed the bf16 tolerance on an H200)
     dlam = torch.empty(h, n, dtype=torch.float32, device=q.device)
-    _dkdv[kv_grid](**common, END=end, QEND=qend, DK=dk, DV=dv, DLAM=dlam)
+    _dkdv[lambda meta: (triton.cdiv(n, meta["BN"]), hk)](**common, END=end, QEND=qend, DK=dk, DV=dv, DLAM=dlam)
     dq = torch.empty_like(q)
-    _dq[_grid(n, h, split, "BM")](**common, KSTART=kstart, DQ=dq, DLAM=dlam)
+    _dq[lambda meta: (triton.cdiv(n, meta["BM"]), h)](**common, KSTART=kstart, DQ=dq, DLAM=dlam)
     return dq, dk, dv, dlam
 
 
 @_backward.register_fake
-def _(do, q, k, v, o, lse, lam2, start, end, kstart, qend, sm_scale, variant):
+def _(do, q, k, v, o, lse, lam2, start, end, kstart, qend, sm_scale):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(lam2)
 
 
 def _save(ctx, inputs, output):
-    q, k, v, lam2, start, end, kstart, qend, sm_scale, variant = inputs
+    q, k, v, lam2, start, end, kstart, qend, sm_scale = inputs
     ctx.save_for_backward(q, k, v, output[0], output[1], lam2, start, end, kstart, qend)
     ctx.sm_scale = sm_scale
-    ctx.variant = variant
 
 
 def _grads(ctx, do, _dlse):
     q, k, v, o, lse, lam2, start, end, kstart, qend = ctx.saved_tensors
-    dq, dk, dv, dlam = _backward(do.contiguous(), q, k, v, o, lse, lam2, start, end, kstart, qend, ctx.sm_scale,
-                                 ctx.variant)
-    return dq, dk, dv, dlam, None, None, None, None, None, None
+    dq, dk, dv, dlam = _backward(do.contiguous(), q, k, v, o, lse, lam2, start, end, kstart, qend, ctx.sm_scale)
+    return dq, dk, dv, dlam, None, None, None, None, None
 
 
 _forward.register_autograd(_grads, setup_context=_save)
@@ -677,15 +575,12 @@ def _padded_dim(d: int) -> int:
 
 def fox_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                   log_f: torch.Tensor | None = None, scale: float | None = None, *,
-                  acp: Acp | None = None, logit_bound: torch.Tensor | float | None = None,
-                  variant: str | None = None) -> torch.Tensor:
+                  acp: Acp | None = None, logit_bound: torch.Tensor | float | None = None) -> torch.Tensor:
     """Document-masked causal attention with the FoX decay, the `attention` backend signature.
     With `acp`, tiles below the threshold are skipped (forward and backward) and the kept and
     total tile counts are added to acp.stats. `logit_bound` is U for the threshold (from
-    QK-norm gains); without it U comes from the max norms of q and k. `variant`: one of
-    VARIANTS (default LONGCTX_FOX_KERNEL, else split)."""
-    out, tiles = attend(q, k, v, cu_seqlens, log_f, scale, acp_eps=acp.eps if acp else None, logit_bound=logit_bound,
-                        variant=variant)
+    QK-norm gains); without it U comes from the max norms of q and k."""
+    out, tiles = attend(q, k, v, cu_seqlens, log_f, scale, acp_eps=acp.eps if acp else None, logit_bound=logit_bound)
     if acp is not None:
         acp.stats.add(*tiles)
     return out
@@ -693,8 +588,7 @@ def fox_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens:
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
            log_f: torch.Tensor | None = None, scale: float | None = None, *, acp_eps: float | None = None,
-           logit_bound: torch.Tensor | float | None = None,
-           variant: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+           logit_bound: torch.Tensor | float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`fox_attention` without side effects (what compiled code calls): (out, [kept, total]
     causal tiles, or None without ACP)."""
     n, h, d = q.shape
@@ -702,9 +596,6 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.
         raise ValueError(f"fox attention: {h} query heads are not a multiple of {k.shape[1]} KV heads")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"fox attention takes float16/bfloat16/float32, got {q.dtype}")
-    variant = variant or VARIANT
-    if variant not in VARIANTS:
-        raise ValueError(f"fox attention: variant {variant!r} is not one of {sorted(VARIANTS)}")
     if n * h * _padded_dim(d) >= 2**31:
         raise ValueError(f"fox attention: {n} tokens x {h} heads x {d} dims overflow the kernels' 32-bit offsets; "
                          "split the heads over ranks (sequence_parallel) or the tokens over sequences")
@@ -720,5 +611,5 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.
         tiles = per_head.sum(0)
     dp = _padded_dim(d)
     q, k, v = (torch.nn.functional.pad(t, (0, dp - d)) if dp != d else t.contiguous() for t in (q, k, v))
-    out = _forward(q, k, v, lam2, start, end, kstart, qend, sm_scale, variant)[0]
+    out = _forward(q, k, v, lam2, start, end, kstart, qend, sm_scale)[0]
     return (out[..., :d] if dp != d else out), tiles
