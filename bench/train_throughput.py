@@ -4,7 +4,9 @@ fp32 masters, fused AdamW, the chunked loss, compiled blocks), eager beside comp
 and 760M shapes, Llama-style, FoX (Pro) and FoX (Pro) with ACP (forget gates at their
 initialisation), at 16K tokens (one document) and at 64K; MFU over the datasheet peak (989 TFLOP/s)
 and over the bf16 matmul rate measured on these GPUs (790); the FoX/Transformer ratios (FoX paper
-Table 6: 27k / 38k = 0.71 on 4 x L40S); and with --profile, where one step's GPU time goes.
+Table 6: 27k / 38k = 0.71 on 4 x L40S); and with --profile, where one step's GPU time goes and
+where the GPU waited. Steps are timed as the loop runs them (each read after the next is queued),
+beside isolated steps (the device drained before and after each).
 
     python bench/train_throughput.py --out bench/results      # on a CUDA machine
 """
@@ -37,6 +39,8 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", help="shapes to run (default all)")
     ap.add_argument("--tokens", nargs="*", type=int, help="sequence lengths to run (default all)")
     ap.add_argument("--models", nargs="*", choices=list(MODELS), help="models to run (default all)")
+    ap.add_argument("--modes", nargs="*", default=["eager", "compiled"], choices=["eager", "compiled"],
+                    help="eager, compiled or both (where the setting has both)")
     ap.add_argument("--step-end", nargs="*", default=["device"], choices=["device", "host"],
                     help="where a step checks the loss and clips: on the device (fused AdamW skips a bad "
                          "update) or on the host (LONGCTX_STEP_END=host); both to time them side by side")
@@ -47,7 +51,7 @@ def main() -> None:
         if (args.only and shape not in args.only) or (args.tokens and tokens not in args.tokens):
             continue
         for (name, (arch, acp)), compile, end in itertools.product(MODELS.items(), compiles, args.step_end):
-            if args.models and name not in args.models:
+            if (args.models and name not in args.models) or ("compiled" if compile else "eager") not in args.modes:
                 continue
             os.environ["LONGCTX_STEP_END"] = end
             cfg = preset(shape, arch, tokens)
@@ -77,8 +81,8 @@ def main() -> None:
                 key += "" if r["step_end"] == "device" else " (host checks)"
                 ratios[key] = round(r["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"], 3)
     print(f"\ntraining steps, bf16 over fp32 masters, AdamW, one document ({torch.cuda.get_device_name()})")
-    print(f"{'shape':<5} {'model':<16} {'tokens':>6} {'mode':<14} {'attention':<9} {'ms/step':>8} {'tokens/s':>9} "
-          f"{'MFU':>6} {'MFU/790':>7} {'GiB':>6} {'1st s':>6} {'graphs':>6}")
+    print(f"{'shape':<5} {'model':<16} {'tokens':>6} {'mode':<14} {'attention':<9} {'ms/step':>8} {'isolated':>8} "
+          f"{'tokens/s':>9} {'MFU':>6} {'MFU/790':>7} {'GiB':>6} {'1st s':>6} {'graphs':>6}")
     for r in rows:
         mode = "compiled" if r["compile"] else "eager"
         mode += "" if r["recompute"] == "none" else f"+{r['recompute'][0]}AC"
@@ -87,7 +91,8 @@ def main() -> None:
             print(f"{r['shape']:<5} {r['model']:<16} {r['tokens']:>6} {mode:<14} {r['attention']:<9} {r['error']}")
             continue
         print(f"{r['shape']:<5} {r['model']:<16} {r['tokens']:>6} {mode:<14} {r['attention']:<9} "
-              f"{r['step_s'] * 1e3:>8.1f} {r['tokens_per_s_per_gpu']:>9.0f} {r.get('mfu', '-'):>6} "
+              f"{r['step_s'] * 1e3:>8.1f} {r['isolated_step_s'] * 1e3:>8.1f} {r['tokens_per_s_per_gpu']:>9.0f} "
+              f"{r.get('mfu', '-'):>6} "
               f"{r.get('mfu_matmul_ceiling', '-'):>7} {r.get('peak_memory_gib', '-'):>6} {r['first_step_s']:>6} "
               f"{r['graphs_compiled']:>6}")
     for r in rows:
@@ -95,7 +100,8 @@ def main() -> None:
             p = r["profile"]
             print(f"{r['shape']} {r['model']} {'compiled' if r['compile'] else 'eager'}: step {p['wall_ms']} ms, "
                   f"kernels {p['kernel_ms']} ms: {p['by_kind_ms']}; syncs {p['syncs']}; "
-                  f"graph breaks {r['graph_breaks']}")
+                  f"graph breaks {r['graph_breaks']}; GPU idle {p['idle_ms']} ms in {p['idle_gaps']} gaps, "
+                  f"longest: {p['longest_gaps'][:4]}")
     print(f"FoX/Transformer tokens/s: {ratios} (FoX paper Table 6: 0.71)")
     write_result(args.out, "train_throughput", {"rows": rows, "fox_over_transformer": ratios})
 

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.attention import model_gates
+from longctx.data.loader import PackedDataset
 from longctx.model.config import FoxConfig, ModelConfig, RopeConfig
 from longctx.model.hf import save_native
 from longctx.model.transformer import Transformer
@@ -43,3 +44,15 @@ def test_gates_on_packed_text_and_refusals(tmp_path, small_project):
     _, llama = saved(tmp_path / "llama", vocab=1024, fox=False)
     with pytest.raises(SystemExit, match="not a FoX model"):
         model_gates(llama, 500, device="cpu")
+
+
+def test_train_fox_makes_a_model_whose_gates_the_bench_reads(tmp_path, small_project):
+    from bench.train_fox import main
+
+    split = small_project / "data/packed/stage1"
+    summary = main(["--data", str(split), "--shape", "tiny", "--steps", "6", "--lr", "3e-3",
+                    "--out", str(tmp_path / "fox")])
+    assert summary["val_loss_after"] < summary["val_loss_before"] - 0.1  # it learned from the text
+    assert summary["vocab_size"] == int(PackedDataset(split / "train").index["vocab_size"])
+    gates = model_gates(tmp_path / "fox/model", 700, split / "val", device="cpu")
+    assert gates.shape == (700, 2 * 4) and (gates < 0).all()

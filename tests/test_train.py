@@ -100,3 +100,26 @@ def test_nan_loss_stops_before_any_checkpoint(small_project, tmp_path):
     with pytest.raises(TrainingDiverged, match=r"step 0: loss is nan.*documents \[\[\{\"domain\""):
         train(model, data, cfg, tmp_path, resume=False)
     assert [p.name for p in checkpoint.checkpoints(tmp_path / "checkpoints")] == ["step-00000001", "step-00000002"]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_a_step_read_after_the_next_is_queued_still_names_itself(small_project, tmp_path, device):
+    """On a GPU the loop reads each step's loss after queuing the next (a CPU checks it at once):
+    a NaN at step 2 (of 0..5, a checkpoint every 3) is reported as step 2, with the steps before
+    it logged, no checkpoint written and no NaN in the weights (the update was skipped)."""
+    data = PackedDataset(small_project / "data/packed/stage1/train")
+    model = tiny_model().to(device)
+    calls = []
+
+    def poison(_module, _inputs, out):
+        calls.append(None)
+        return out * float("nan") if len(calls) == 3 else out
+
+    model.norm.register_forward_hook(poison)
+    with pytest.raises(TrainingDiverged, match=r"^step 2: loss is nan"):
+        train(model, data, RunParams(steps=6, lr=1e-3, checkpoint_every=3, compile=False), tmp_path)
+    assert len(calls) == (4 if device == "cuda" else 3)  # on a GPU step 3 was queued before step 2 was read
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert not checkpoint.checkpoints(tmp_path / "checkpoints")
+    assert all(torch.isfinite(p).all() for p in model.parameters())

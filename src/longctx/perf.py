@@ -17,7 +17,17 @@ import torch
 from .config import RunParams
 from .model.config import ModelConfig
 from .train.compiled import graphs_compiled
-from .train.loop import MATMUL_BF16_FLOPS, Batch, flop_params, packed_batch, peak_flops, prepare, step_flops, train_step
+from .train.loop import (
+    MATMUL_BF16_FLOPS,
+    Batch,
+    flop_params,
+    packed_batch,
+    peak_flops,
+    prepare,
+    queue_step,
+    step_flops,
+    train_step,
+)
 from .train.models import build
 from .train.optim import adamw
 from .train.parallel import Parallel
@@ -39,13 +49,15 @@ class Run:
 
     def step(self, micro: list[Batch]) -> tuple[float, float]:
         """One timed optimizer step: (seconds, the device drained before and after; loss)."""
-        if self.par.device.type == "cuda":
-            torch.cuda.synchronize()
+        self.sync()
         t0 = time.perf_counter()
         loss = train_step(self.model, self.opt, micro, self.par, self.cfg.clip, self.cfg.loss_chunk).loss
+        self.sync()
+        return time.perf_counter() - t0, loss
+
+    def sync(self) -> None:
         if self.par.device.type == "cuda":
             torch.cuda.synchronize()
-        return time.perf_counter() - t0, loss
 
 
 def prepared(cfg: ModelConfig, par: Parallel, *, compile: bool, recompute: str = "none", acp: bool = False,
@@ -61,33 +73,46 @@ def prepared(cfg: ModelConfig, par: Parallel, *, compile: bool, recompute: str =
 
 
 def measure(run: Run, batches, steps: int, warmup: int = 2) -> dict:
-    """Mean step time, tokens/s per GPU and model FLOP utilisation over `steps` steps after
-    `warmup` (the first step's time, compilation included, reported apart), and every step's
-    loss. `batches(i)` gives this rank's micro-batches of step i."""
+    """Mean step time, tokens/s per GPU and model FLOP utilisation over `steps` steps queued as
+    the training loop queues them (each one's loss read after the next is queued), after `warmup`
+    and `steps` isolated steps (the device drained before and after each: `isolated_step_s`; the
+    first step's time, compilation included, reported apart), and every step's loss.
+    `batches(i)` gives this rank's micro-batches of step i."""
     from torch._dynamo.utils import counters
 
     graphs0, breaks0 = graphs_compiled(), dict(counters["graph_break"])
     params = flop_params(run.model)
-    times, losses, flops, tokens = [], [], 0.0, 0.0
+    isolated, losses = [], []
     for i in range(warmup + steps):
-        micro = batches(i)
-        sec, loss = run.step(micro)
+        sec, loss = run.step(batches(i))
         losses.append(loss)
         if i == 0:
             first = sec
         if i >= warmup:
-            times.append(sec)
-            flops += run.par.sum(sum(step_flops(run.model.cfg, params, b) for b in micro)) / run.par.sp
-            tokens += run.par.sum(sum(b.ids.numel() for b in micro)) / run.par.sp
-    sec = sum(times) / len(times)
-    out = {"step_s": round(sec, 4), "first_step_s": round(first, 2), "graphs_compiled": graphs_compiled() - graphs0,
-           "tokens_per_s_per_gpu": round(tokens / sum(times) / run.par.world, 1), "losses": losses,
+            isolated.append(sec)
+    flops, tokens, queued = 0.0, 0.0, None
+    run.sync()
+    t0 = time.perf_counter()
+    for i in range(warmup + steps, warmup + 2 * steps):
+        micro = batches(i)
+        step = queue_step(run.model, run.opt, micro, run.par, run.cfg.clip, run.cfg.loss_chunk)
+        if queued is not None:
+            losses.append(queued.result().loss)
+        queued = step
+        flops += run.par.sum(sum(step_flops(run.model.cfg, params, b) for b in micro)) / run.par.sp
+        tokens += run.par.sum(sum(b.ids.numel() for b in micro)) / run.par.sp
+    losses.append(queued.result().loss)
+    run.sync()
+    seconds = time.perf_counter() - t0
+    out = {"step_s": round(seconds / steps, 4), "isolated_step_s": round(sum(isolated) / steps, 4),
+           "first_step_s": round(first, 2), "graphs_compiled": graphs_compiled() - graphs0,
+           "tokens_per_s_per_gpu": round(tokens / seconds / run.par.world, 1), "losses": losses,
            "graph_breaks": {k[:600]: v - breaks0.get(k, 0) for k, v in counters["graph_break"].items()
                             if v > breaks0.get(k, 0)}}
     for key, table in (("mfu", None), ("mfu_matmul_ceiling", MATMUL_BF16_FLOPS)):
         peak = peak_flops(run.par.device) if table is None else peak_flops(run.par.device, table)
         if peak:
-            out[key] = round(flops / sum(times) / peak / run.par.world, 4)
+            out[key] = round(flops / seconds / peak / run.par.world, 4)
     if run.par.device.type == "cuda":
         out["peak_memory_gib"] = round(run.par.sum(torch.cuda.max_memory_allocated(run.par.device))
                                        / run.par.world / 2**30, 2)
@@ -114,8 +139,8 @@ def kind_of(kernel: str) -> str:
 
 def profile(run: Run, micro: list[Batch]) -> dict:
     """One step under torch.profiler: GPU kernel ms by kind, their sum against the step's wall
-    ms (the difference is the GPU waiting on the host), the costliest kernels, and what made
-    the host wait: device syncs, by the Python line that asked."""
+    ms (the difference is the GPU waiting on the host), the costliest kernels, what made the
+    host wait (device syncs, by the Python line that asked) and where the GPU waited (idle_gaps)."""
     import warnings
     from collections import Counter
 
@@ -127,7 +152,8 @@ def profile(run: Run, micro: list[Batch]) -> dict:
         with warnings.catch_warnings(record=True) as caught, \
                 torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             warnings.simplefilter("always")
-            wall, _ = run.step(micro)
+            with torch.profiler.record_function(_STEP):
+                wall, _ = run.step(micro)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     syncs = Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message))
@@ -140,7 +166,32 @@ def profile(run: Run, micro: list[Batch]) -> dict:
             kernels.append((round(ms, 2), e.count, e.key[:100]))
     return {"wall_ms": round(wall * 1e3, 1), "kernel_ms": round(sum(kinds.values()), 1),
             "by_kind_ms": {k: round(v, 1) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
-            "top_kernels": sorted(kernels, reverse=True)[:25], "syncs": dict(syncs.most_common(10))}
+            "top_kernels": sorted(kernels, reverse=True)[:25], "syncs": dict(syncs.most_common(10)),
+            **idle_gaps(prof.events())}
+
+
+_STEP = "longctx.step"
+
+
+def idle_gaps(events, shortest_us: float = 20.0, listed: int = 8) -> dict:
+    """Where inside the profiled step the GPU had nothing to run: the gaps of at least
+    `shortest_us` between its kernels and copies (all streams merged), their sum, and the longest
+    with their place in the step and the kernels either side (what the host was late to launch)."""
+    from torch.autograd import DeviceType
+
+    step = next(e for e in events if e.name == _STEP)
+    busy = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
+                  if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    gaps, at, before = [], step.time_range.start, "(step start)"
+    for start, end, name in busy:
+        if start - at >= shortest_us:
+            gaps.append((start - at, at - step.time_range.start, before, name))
+        if end > at:
+            at, before = end, name
+    longest = sorted(gaps, reverse=True)[:listed]
+    return {"idle_ms": round(sum(g[0] for g in gaps) / 1e3, 2), "idle_gaps": len(gaps),
+            "longest_gaps": [{"ms": round(g / 1e3, 3), "at_ms": round(t / 1e3, 2), "after": a[:70], "before": b[:70]}
+                             for g, t, a, b in longest]}
 
 
 def write_result(out: Path, benchmark: str, fields: dict, device: str | None = None, quiet: bool = False) -> Path:

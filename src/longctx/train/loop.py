@@ -29,6 +29,7 @@ from ..data.loader import PackedDataset
 from ..errors import LongctxError
 from ..model.config import ModelConfig
 from ..model.fox import Acp
+from ..model.fox.acp import pruned
 from ..model.loss import IGNORE, shift_labels
 from ..model.transfer import to_device
 from ..model.transformer import Transformer
@@ -180,7 +181,31 @@ def train_step(model: Transformer, opt: torch.optim.Optimizer, micro: list[Batch
     """One optimizer step over this rank's micro-batches: backward of each, the loss the exact
     mean over the step's valid tokens on all ranks, gradients clipped to `clip`, the update.
     Raises TrainingDiverged, without updating, when the loss or the gradient norm is not finite.
-    What the training stages and every benchmark run."""
+    What the training stages and every benchmark run (the loop through `queue_step`)."""
+    return queue_step(model, opt, micro, par, clip, loss_chunk).result()
+
+
+class QueuedStep:
+    """A step whose update is queued: its loss and gradient norm may still be on the device.
+    The training loop reads them (`result`) after queuing the next step, so between steps the
+    GPU does not wait for the host to read, log and load the next batch."""
+
+    def __init__(self, loss: torch.Tensor | float, norm: torch.Tensor | float, valid: int,
+                 opt: torch.optim.Optimizer):
+        self._loss, self._norm, self.valid, self._opt = loss, norm, valid, opt
+
+    def result(self) -> StepResult:
+        """Waits for the step; raises TrainingDiverged when its loss or gradient norm is not
+        finite (on one GPU fused AdamW has then already skipped its update)."""
+        loss, norm = float(self._loss), float(self._norm)
+        _check_finite(loss, norm, self._opt)
+        return StepResult(loss, norm, self.valid)
+
+
+def queue_step(model: Transformer, opt: torch.optim.Optimizer, micro: list[Batch], par: Parallel, clip: float,
+               loss_chunk: int = 2048) -> QueuedStep:
+    """`train_step` without reading its result: on one GPU with fused AdamW nothing here waits
+    on the device; elsewhere the checks run on the host before the update, as they must."""
     _check_group(model, par)
     valid = step_valid(micro, par)
     total = torch.zeros((), device=par.device)  # summed on the device: no wait between micro-batches
@@ -190,7 +215,7 @@ def train_step(model: Transformer, opt: torch.optim.Optimizer, micro: list[Batch
                          loss_chunk=loss_chunk) / max(valid, 1)
             loss.backward()
         total += loss.detach().float()
-    # LONGCTX_STEP_END=host: the checks on the host, to time the two side by side (not yet on a GPU)
+    # LONGCTX_STEP_END=host: the checks on the host, to time the two side by side
     if opt.defaults.get("fused") and not par.distributed and os.environ.get("LONGCTX_STEP_END") != "host":
         return _step_on_device(model, opt, total, clip, valid)
     total = par.sum(float(total))
@@ -200,16 +225,16 @@ def train_step(model: Transformer, opt: torch.optim.Optimizer, micro: list[Batch
     _check_finite(total, grad_norm, opt)
     opt.step()
     opt.zero_grad(set_to_none=True)
-    return StepResult(total, grad_norm, valid)
+    return QueuedStep(total, grad_norm, valid, opt)
 
 
 def _step_on_device(model: Transformer, opt: torch.optim.Optimizer, total: torch.Tensor, clip: float,
-                    valid: int) -> StepResult:
+                    valid: int) -> QueuedStep:
     """The end of a step without waiting on the device: fused AdamW divides the gradients by the
     clipping factor and skips the whole update (moments and step count too) when told to, through
-    the `grad_scale` and `found_inf` tensors that torch's GradScaler hands it; the host reads the
-    loss and the norm once, after everything is queued (reading them before clipping and before
-    the update left a 760M step's GPU idle ~10 ms)."""
+    the `grad_scale` and `found_inf` tensors that torch's GradScaler hands it; the loss and the
+    norm are read later (reading them before clipping and before the update left a 760M step's
+    GPU idle ~10 ms)."""
     norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
     opt.found_inf = (~(torch.isfinite(total) & torch.isfinite(norm))).float()
     opt.grad_scale = torch.clamp((norm + 1e-6) / clip, min=1.0)  # 1 / clip_grad_norm_'s factor
@@ -217,10 +242,8 @@ def _step_on_device(model: Transformer, opt: torch.optim.Optimizer, total: torch
         opt.step()
     finally:
         del opt.found_inf, opt.grad_scale
-    total, norm = float(total), float(norm)
-    _check_finite(total, norm, opt)
     opt.zero_grad(set_to_none=True)
-    return StepResult(total, norm, valid)
+    return QueuedStep(total, norm, valid, opt)
 
 
 def _check_finite(loss: float, norm: float, opt: torch.optim.Optimizer) -> None:
@@ -229,6 +252,50 @@ def _check_finite(loss: float, norm: float, opt: torch.optim.Optimizer) -> None:
         if not math.isfinite(value):
             opt.zero_grad(set_to_none=True)
             raise TrainingDiverged(f"{what} is {value}")
+
+
+class _StepTimer:
+    """A step's seconds: on a GPU the device's time from the step's first queued work to its
+    update (events; the host does not wait for them until the step is read), on a CPU the host's."""
+
+    def __init__(self, device: torch.device):
+        self.events = None
+        if device.type == "cuda":
+            self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self.events[0].record()
+        self.t0 = time.perf_counter()
+
+    def stop(self) -> None:
+        if self.events is not None:
+            self.events[1].record()
+        self.t1 = time.perf_counter()
+
+    def seconds(self) -> float:
+        if self.events is None:
+            return self.t1 - self.t0
+        self.events[1].synchronize()
+        return self.events[0].elapsed_time(self.events[1]) / 1e3
+
+
+@dataclass
+class _InFlight:
+    """A queued step and what logging it needs."""
+
+    step: int
+    samples: list[int]
+    micro: list[Batch]
+    lr: float
+    queued: QueuedStep
+    timer: _StepTimer
+    acp: tuple[torch.Tensor, torch.Tensor] | None
+
+
+def _diverged(e: TrainingDiverged, step: int, samples: list[int], data: PackedDataset,
+              ckpt_dir: Path) -> TrainingDiverged:
+    docs = [data.provenance(i) for i in samples]
+    return TrainingDiverged(f"step {step}: {e}; no checkpoint written for it (last good: "
+                            f"{checkpoint.latest(ckpt_dir)}); sequences {samples}, documents "
+                            f"{json.dumps(docs)[:2000]}")
 
 
 def prepare(model: Transformer, cfg: RunParams, par: Parallel) -> Transformer:
@@ -247,6 +314,8 @@ def train(model: Transformer, data: PackedDataset, cfg: RunParams, out: Path, tr
           resume: bool = True, par: Parallel | None = None) -> dict:
     """Train for cfg.steps optimizer steps; checkpoints under out/checkpoints, one JSON line of
     metrics per step in out/metrics.jsonl. Resumes from the latest checkpoint when there is one.
+    Each step's loss is read after the next step is queued (the GPU never idles between steps);
+    every step is read, and checked, before a checkpoint is written.
     Distributed (`par`), the model is sharded in place (`parallel.unshard` gives it back whole)
     and every rank calls this; only the main rank writes files and logs."""
     par = with_sequence_parallel(par or Parallel(device=next(model.parameters()).device),
@@ -269,10 +338,37 @@ def train(model: Transformer, data: PackedDataset, cfg: RunParams, out: Path, tr
     flops_params = flop_params(model)
     peak = peak_flops(device)
     last = {}
+    in_flight: list[_InFlight] = []
+
+    def finish(f: _InFlight) -> dict:
+        """Read a queued step's results, log them; the step's metrics."""
+        try:
+            total, grad_norm, valid = f.queued.result()
+        except TrainingDiverged as e:
+            raise _diverged(e, f.step, f.samples, data, ckpt_dir) from None
+        seconds = f.timer.seconds()
+        tokens = int(par.sum(sum(b.ids.numel() for b in f.micro))) // par.sp
+        rec = {"step": f.step + 1, "loss": total, "lr": f.lr, "grad_norm": grad_norm, "tokens": tokens,
+               "valid_tokens": valid, "tokens_per_s": tokens / seconds,
+               "tokens_per_s_per_rank": tokens / seconds / par.world}
+        if model.acp is not None:
+            rec["acp_pruned_fraction"] = par.sum(pruned(f.acp)) / par.world
+        if peak:
+            flops = par.sum(sum(step_flops(model.cfg, flops_params, b) for b in f.micro)) / par.sp
+            rec["mfu"] = flops / seconds / peak / par.world
+            rec["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        if par.main:
+            with log_path.open("a") as fh:
+                fh.write(json.dumps(rec) + "\n")
+            if tracker is not None:
+                tracker.metrics({k: v for k, v in rec.items() if k != "step"}, step=f.step + 1)
+        bar.set_postfix(loss=f"{total:.4f}", lr=f"{f.lr:.2e}")
+        return rec
+
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="train", unit="step",
                disable=not par.main)
     for step in bar:
-        t0 = time.perf_counter()
+        timer = _StepTimer(device)
         samples = sample_indices(step, per_step, len(data), cfg.seed)
         costs = [attention_cost(data, i) for i in samples]
         mine = schedule(samples, costs, cfg.micro_batch, par.dp)[par.dp_rank]
@@ -281,32 +377,19 @@ def train(model: Transformer, data: PackedDataset, cfg: RunParams, out: Path, tr
         for g in opt.param_groups:
             g["lr"] = lr
         try:
-            total, grad_norm, valid = train_step(model, opt, micro, par, cfg.clip, cfg.loss_chunk)
+            queued = queue_step(model, opt, micro, par, cfg.clip, cfg.loss_chunk)
         except TrainingDiverged as e:
-            docs = [data.provenance(i) for i in samples]
-            raise TrainingDiverged(f"step {step}: {e}; no checkpoint written for it (last good: "
-                                   f"{checkpoint.latest(ckpt_dir)}); sequences {samples}, documents "
-                                   f"{json.dumps(docs)[:2000]}") from None
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - t0
-        tokens = int(par.sum(sum(b.ids.numel() for b in micro))) // par.sp
-        last = {"step": step + 1, "loss": total, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
-                "valid_tokens": valid, "tokens_per_s": tokens / seconds,
-                "tokens_per_s_per_rank": tokens / seconds / par.world}
-        if model.acp is not None:
-            last["acp_pruned_fraction"] = par.sum(model.acp.stats.pruned_fraction()) / par.world
-        if peak:
-            flops = par.sum(sum(step_flops(model.cfg, flops_params, b) for b in micro)) / par.sp
-            last["mfu"] = flops / seconds / peak / par.world
-            last["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-        if par.main:
-            with log_path.open("a") as fh:
-                fh.write(json.dumps(last) + "\n")
-            if tracker is not None:
-                tracker.metrics({k: v for k, v in last.items() if k != "step"}, step=step + 1)
-        bar.set_postfix(loss=f"{total:.4f}", lr=f"{lr:.2e}")
-        if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
+            for f in in_flight:  # the steps before it are logged
+                finish(f)
+            raise _diverged(e, step, samples, data, ckpt_dir) from None
+        timer.stop()
+        in_flight.append(_InFlight(step, samples, micro, lr, queued, timer,
+                                   model.acp.stats.take() if model.acp is not None else None))
+        # read each step after the next is queued; every one before a checkpoint is written
+        save = (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps
+        while len(in_flight) > (0 if save else 1):
+            last = finish(in_flight.pop(0))
+        if save:
             checkpoint.save(ckpt_dir, step + 1, model, opt, {"samples_seen": (step + 1) * per_step},
                             cfg.keep_last, main=par.main)
             par.barrier()

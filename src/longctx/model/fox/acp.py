@@ -22,14 +22,23 @@ class AcpStats:
         self.kept = kept if self.kept is None else self.kept + kept
         self.total = total if self.total is None else self.total + total
 
+    def take(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The counts so far, still on the device, and a reset: what a queued training step keeps
+        while the next one adds its own."""
+        counts = None if self.total is None else (self.kept, self.total)
+        self.kept = self.total = None
+        return counts
+
     def pruned_fraction(self, reset: bool = True) -> float | None:
         """The fraction of causal tiles skipped since the last reset (None: no call yet)."""
-        if self.total is None:
-            return None
-        out = 1.0 - float(self.kept) / max(float(self.total), 1.0)
-        if reset:
-            self.kept = self.total = None
-        return out
+        return pruned(self.take() if reset else None if self.total is None else (self.kept, self.total))
+
+
+def pruned(counts: tuple[torch.Tensor, torch.Tensor] | None) -> float | None:
+    """The skipped fraction of (kept, total) tile counts (reading them waits on the device)."""
+    if counts is None:
+        return None
+    return 1.0 - float(counts[0]) / max(float(counts[1]), 1.0)
 
 
 @dataclass
