@@ -100,8 +100,8 @@ def main() -> None:
             p = r["profile"]
             print(f"{r['shape']} {r['model']} {'compiled' if r['compile'] else 'eager'}: step {p['wall_ms']} ms, "
                   f"kernels {p['kernel_ms']} ms: {p['by_kind_ms']}; syncs {p['syncs']}; "
-                  f"graph breaks {r['graph_breaks']}; GPU idle {p['idle_ms']} ms in {p['idle_gaps']} gaps, "
-                  f"longest: {p['longest_gaps'][:4]}")
+                  f"graph breaks {r['graph_breaks']}; GPU idle {p['idle_ms']} ms between {p['kernels']} kernels, "
+                  f"{p['idle_in_long_gaps_ms']} ms of it in {p['long_gaps']} gaps over 20 us: {p['longest_gaps'][:4]}")
     print(f"FoX/Transformer tokens/s: {ratios} (FoX paper Table 6: 0.71)")
     write_result(args.out, "train_throughput", {"rows": rows, "fox_over_transformer": ratios})
 

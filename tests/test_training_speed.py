@@ -207,21 +207,25 @@ def test_a_step_that_waits_on_the_device_once_updates_as_the_checked_one():
 
 
 def test_idle_gaps_find_where_the_gpu_waited():
-    """The profile's idle report: gaps between kernels of any stream (overlapping ones merged),
-    counted from the step's start, the shortest left out, the longest first with their neighbours."""
+    """The profile's idle report: gaps between kernels of any stream (overlapping ones merged,
+    annotations ignored), counted from the step's start, the long ones listed longest first with
+    their neighbours."""
     from types import SimpleNamespace
 
     from torch.autograd import DeviceType
 
     from longctx.perf import _STEP, idle_gaps
 
-    def event(name, start, end, device=DeviceType.CUDA):
-        return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end))
+    def event(name, start, end, device=DeviceType.CUDA, note=False):
+        return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end),
+                               is_user_annotation=note)
 
-    events = [event(_STEP, 1000, 2000, DeviceType.CPU), event("cudaLaunchKernel", 1010, 1020, DeviceType.CPU),
+    events = [event(_STEP, 1000, 2000, DeviceType.CPU), event(_STEP, 1000, 2000), event("mark", 1000, 2000, note=True),
+              event("cudaLaunchKernel", 1010, 1020, DeviceType.CPU),
               event("embed", 1100, 1200), event("gemm", 1210, 1400), event("side", 1250, 1450),  # overlap
               event("norm", 1700, 1750), event("adam", 1760, 1990)]
     got = idle_gaps(events, shortest_us=20)
-    assert got["idle_gaps"] == 2 and got["idle_ms"] == pytest.approx((100 + 250) / 1e3)
+    assert got["kernels"] == 5 and got["idle_ms"] == pytest.approx((100 + 10 + 250 + 10) / 1e3)
+    assert got["long_gaps"] == 2 and got["idle_in_long_gaps_ms"] == pytest.approx(0.35)
     assert got["longest_gaps"][0] == {"ms": 0.25, "at_ms": 0.45, "after": "side", "before": "norm"}
     assert got["longest_gaps"][1] == {"ms": 0.1, "at_ms": 0.0, "after": "(step start)", "before": "embed"}

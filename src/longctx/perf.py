@@ -161,7 +161,7 @@ def profile(run: Run, micro: list[Batch]) -> dict:
     kernels = []
     for e in prof.key_averages():
         ms = getattr(e, "self_device_time_total", 0) / 1e3
-        if ms and str(e.device_type).endswith("CUDA") and "#" not in e.key:  # not a user annotation
+        if ms and str(e.device_type).endswith("CUDA") and "#" not in e.key and e.key != _STEP:  # not annotations
             kinds[kind_of(e.key)] = kinds.get(kind_of(e.key), 0.0) + ms
             kernels.append((round(ms, 2), e.count, e.key[:100]))
     return {"wall_ms": round(wall * 1e3, 1), "kernel_ms": round(sum(kinds.values()), 1),
@@ -174,24 +174,28 @@ _STEP = "longctx.step"
 
 
 def idle_gaps(events, shortest_us: float = 20.0, listed: int = 8) -> dict:
-    """Where inside the profiled step the GPU had nothing to run: the gaps of at least
-    `shortest_us` between its kernels and copies (all streams merged), their sum, and the longest
-    with their place in the step and the kernels either side (what the host was late to launch)."""
+    """Where inside the profiled step the GPU had nothing to run, between its kernels and copies
+    (all streams merged; annotations are not work): the idle time in all, the kernels run, the
+    gaps of at least `shortest_us` (the host late to launch) with their sum, and the longest with
+    their place in the step and the kernels either side. Many short gaps and no long ones: the
+    cost is per kernel launched, not the host falling behind."""
     from torch.autograd import DeviceType
 
     step = next(e for e in events if e.name == _STEP)
     busy = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
-                  if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start)
+                  if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start
+                  and e.name != _STEP and not getattr(e, "is_user_annotation", False))
     gaps, at, before = [], step.time_range.start, "(step start)"
     for start, end, name in busy:
-        if start - at >= shortest_us:
+        if start > at:
             gaps.append((start - at, at - step.time_range.start, before, name))
         if end > at:
             at, before = end, name
-    longest = sorted(gaps, reverse=True)[:listed]
-    return {"idle_ms": round(sum(g[0] for g in gaps) / 1e3, 2), "idle_gaps": len(gaps),
+    long = sorted((g for g in gaps if g[0] >= shortest_us), reverse=True)
+    return {"idle_ms": round(sum(g[0] for g in gaps) / 1e3, 2), "kernels": len(busy),
+            "long_gaps": len(long), "idle_in_long_gaps_ms": round(sum(g[0] for g in long) / 1e3, 2),
             "longest_gaps": [{"ms": round(g / 1e3, 3), "at_ms": round(t / 1e3, 2), "after": a[:70], "before": b[:70]}
-                             for g, t, a, b in longest]}
+                             for g, t, a, b in long[:listed]]}
 
 
 def write_result(out: Path, benchmark: str, fields: dict, device: str | None = None, quiet: bool = False) -> Path:
