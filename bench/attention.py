@@ -215,7 +215,7 @@ def main() -> None:
                     row[f"{name}_vs_{base}"] = row[f"{name}_ms"] / row[f"{base}_ms"]
             rows.append(row)
             print({k_: round(x, 3) if isinstance(x, float) else x for k_, x in row.items()}, flush=True)
-            write_result(args.out, "attention", {"rows": rows, "triton": triton.__version__}, quiet=True)  # if cut short
+            write_result(args.out, "attention", {"rows": rows, "triton": triton.__version__}, quiet=True)  # kept if cut
 
     print(f"{'T':>6} {'D':>4} {'fa2 ms':>8} {'cudnn ms':>8} {'fla ms':>8} {'fox ms':>8} {'acp ms':>8} {'kept':>6} "
           f"{'fla/fa2':>8} {'fox/fa2':>8} {'acp/fa2':>8} {'fox/cud':>8} {'acp/cud':>8} {'1st s':>6}")
