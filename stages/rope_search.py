@@ -56,8 +56,9 @@ def run(cfg: Params, root: Path) -> None:
     init = pretrain_init(cfg)
     if not rs.enabled:
         return skip("rope_search.enabled is false")
-    if cfg.model.arch == "fox" and cfg.train.pretrain.init == "base":
-        return skip("the model is a FoX model (no RoPE)")
+    position = cfg.model.position or ("none" if cfg.model.arch == "fox" else "rope")
+    if position != "rope" and cfg.train.pretrain.init == "base":
+        return skip(f"the model has no RoPE (position: {position}{', a FoX model' if cfg.model.arch == 'fox' else ''})")
     model = load_model(init, cfg.model.attention_backend)
     if model.cfg.rope is None:
         raise DataError(f"{init}: the checkpoint has no RoPE (a FoX model); rope_search needs a RoPE model "

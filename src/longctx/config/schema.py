@@ -17,7 +17,7 @@ from pydantic import (
     model_validator,
 )
 
-from ..model.config import FoxConfig, Recompute, Shape
+from ..model.config import FoxConfig, LearnedPositions, Recompute, SeqPEConfig, Shape
 from .checks import consistent
 
 
@@ -168,7 +168,35 @@ class ModelParams(Strict, Shape):
     rope_theta: float = Field(default=10000.0, gt=1)
     fox: FoxConfig = FoxConfig()
     """FoX (Pro) components, used when arch is fox."""
+    position: Literal["rope", "learned", "alibi", "seqpe", "none"] | None = None
+    """The position encoding; null: the arch's own (llama: rope, fox: none)."""
+    learned_positions: LearnedPositions = LearnedPositions()
+    """The learned table's settings, used when position is learned."""
+    seqpe: SeqPEConfig = SeqPEConfig()
+    """SeqPE's encoder, used when position is seqpe."""
     attention_backend: str = "auto"
+
+    @model_validator(mode="after")
+    def _positions(self) -> ModelParams:
+        if self.position == "seqpe" and 10**self.seqpe.digits <= self.max_position_embeddings - 1:
+            top = self.max_position_embeddings - 1
+            raise ValueError(f"seqpe.digits {self.seqpe.digits} cannot write position {top} of the window "
+                             f"max_position_embeddings {self.max_position_embeddings}")
+        if self.position == "alibi" and self.arch == "fox":
+            raise ValueError("position alibi is a fixed forget gate: a FoX model has its own (use arch llama)")
+        return self
+
+
+class SeqPETraining(Strict):
+    """SeqPE's regularisers and position shifts (seed 004; the official text runs' settings),
+    applied by the training loop to SeqPE models only."""
+
+    contrastive_weight: float = Field(default=0.1, ge=0)
+    distill_weight: float = Field(default=0.1, ge=0)
+    shift_rate: float = Field(default=0.1, ge=0, le=1)
+    """Steps whose positions are shifted by a random offset (distillation skipped there)."""
+    max_position: PositiveInt = 20000
+    """Positions the regularisers and the shifts sample from: [0, max_position)."""
 
 
 class RunParams(Strict):
@@ -202,6 +230,7 @@ class RunParams(Strict):
     (CUDA); the pruned fraction is logged per step. None: off."""
     sequence_parallel: PositiveInt = 1
     """Ranks that share each sequence (Ulysses); must divide the world size and the heads."""
+    seqpe: SeqPETraining = SeqPETraining()
 
 
 class StageParams(RunParams):

@@ -155,16 +155,18 @@ def mean_loss(model: Transformer, docs: list[np.ndarray], masks: list[np.ndarray
 
 def windows(folders: dict[str, Path], tok: TextTokenizer, tok_folder: Path,
             lengths: list[int]) -> dict[str, int | None]:
-    """Each checkpoint's context window (None: no RoPE, no limit), read from its config so that
-    a checkpoint the tokenizer does not fit, or eval lengths no checkpoint holds, stop the
-    evaluation before any checkpoint is evaluated."""
+    """Each checkpoint's context window (None: no limit: no RoPE and no learned table that stops
+    at its end), read from its config so that a checkpoint the tokenizer does not fit, or eval
+    lengths no checkpoint holds, stop the evaluation before any checkpoint is evaluated."""
     out = {}
     for name, folder in folders.items():
         mcfg = native_config(folder)
         if tok.vocab_size > mcfg.vocab_size:
             raise DataError(f"{tok_folder}: {tok.vocab_size} tokens but checkpoint {folder} has a "
                             f"vocabulary of {mcfg.vocab_size}: the tokenizer does not match the checkpoint")
-        out[name] = mcfg.max_position_embeddings if mcfg.rope is not None else None
+        bounded = mcfg.rope is not None or (mcfg.learned_positions is not None
+                                            and mcfg.learned_positions.beyond == "error")
+        out[name] = mcfg.max_position_embeddings if bounded else None
     longest = max(w or 10**9 for w in out.values())
     too_long = [n for n in lengths if n > longest]
     if too_long:

@@ -62,6 +62,38 @@ class FoxConfig(BaseModel):
     kv_shift: bool = True
 
 
+class LearnedPositions(BaseModel):
+    """A learned absolute position table of max_position_embeddings rows, added to the token
+    embeddings (GPT-2's APE). A position past the table is an error, or the last row (clamp)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    beyond: Literal["error", "clamp"] = "error"
+
+
+class SeqPEConfig(BaseModel):
+    """SeqPE (seed 004): each position's decimal digits, left-padded to `digits`, read by a small
+    causal Transformer (`layers` x `heads`, width `dim`); its last state, projected and divided by
+    `temperature`, is the position's embedding, turned into per-head query and key parts whose
+    product biases the attention logits (the paper's text models). Positions past 10^digits - 1:
+    an error, or the largest (clamp)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    digits: int = Field(default=5, gt=0, le=18)
+    dim: int = Field(default=256, gt=0)
+    layers: int = Field(default=2, gt=0)
+    heads: int = Field(default=4, gt=0)
+    temperature: float = Field(default=1.0, gt=0)
+    beyond: Literal["error", "clamp"] = "error"
+
+    @model_validator(mode="after")
+    def _heads(self) -> SeqPEConfig:
+        if self.dim % self.heads:
+            raise ValueError(f"seqpe.dim {self.dim} is not divisible by seqpe.heads {self.heads}")
+        return self
+
+
 class Shape(BaseModel):
     """A decoder's dimensions: what params give for a model trained from scratch (config's
     ModelParams) and what every checkpoint records (ModelConfig)."""
@@ -87,6 +119,10 @@ class ModelConfig(Shape):
     rope: RopeConfig | None = RopeConfig()
     """None: no position encoding (FoX's forget gate carries position)."""
     fox: FoxConfig | None = None
+    learned_positions: LearnedPositions | None = None
+    alibi: bool = False
+    """ALiBi: a per-head linear penalty on distance, as a FoX decay with fixed gates."""
+    seqpe: SeqPEConfig | None = None
     reset_position_ids: bool = True
     """RoPE positions restart at every document of a packed sequence."""
     init_std: float = Field(default=0.02, gt=0)
@@ -99,7 +135,25 @@ class ModelConfig(Shape):
             raise ValueError(f"n_heads {self.n_heads} must be a multiple of n_kv_heads {self.kv_heads}")
         if (self.head_dim or self.d_model // self.n_heads) % 2 and self.rope is not None:
             raise ValueError("RoPE needs an even head_dim")
+        chosen = [name for name in ("rope", "learned_positions", "seqpe") if getattr(self, name) is not None]
+        chosen += ["alibi"] if self.alibi else []
+        if len(chosen) > 1:
+            raise ValueError(f"one position encoding at a time, got {chosen}")
+        if self.alibi and self.fox is not None:
+            raise ValueError("alibi is a fixed forget gate: a FoX model has its own")
+        if self.seqpe is not None and 10**self.seqpe.digits <= self.max_position_embeddings - 1:
+            raise ValueError(f"seqpe.digits {self.seqpe.digits} cannot write position "
+                             f"{self.max_position_embeddings - 1} of the window {self.max_position_embeddings}")
         return self
+
+    @property
+    def position(self) -> str:
+        """The position encoding by name: rope, learned, alibi, seqpe or none."""
+        if self.rope is not None:
+            return "rope"
+        if self.learned_positions is not None:
+            return "learned"
+        return "alibi" if self.alibi else "seqpe" if self.seqpe is not None else "none"
 
     @property
     def kv_heads(self) -> int:

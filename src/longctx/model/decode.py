@@ -1,4 +1,4 @@
-"""Incremental greedy decoding with a KV cache, for RoPE models and FoX.
+"""Incremental greedy decoding with a KV cache, for every position encoding and FoX.
 
 A cache holds one document: per layer the (rotated) keys and values, and for FoX the running
 cumulative log forget gate of every cached key and the KV-shift's last projections. When the
@@ -50,10 +50,11 @@ class LayerCache:
         self.length = end
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_f: torch.Tensor | None,
-               backend=None) -> torch.Tensor:
+               backend=None, scale: float | None = None) -> torch.Tensor:
         """Append k, v (and the gates) and attend the new queries over everything cached. The
         prompt (an empty cache) goes through the model's attention backend (`backend`): no
-        prompt x prompt score matrix."""
+        prompt x prompt score matrix. `scale`: the logit scale when queries and keys are wider
+        than the values (SeqPE), else 1 / sqrt(head_dim)."""
         n = q.shape[0]
         prompt = self.length == 0 and backend is not None and n > 1
         lam_new = None
@@ -63,18 +64,18 @@ class LayerCache:
                 lam_new = lam_new + self.lam[self.length - 1]
         self._append(k, v, lam_new)
         if prompt:
-            return backend(q, k, v, torch.tensor([0, n], dtype=torch.int32, device=q.device), log_f)
+            return backend(q, k, v, torch.tensor([0, n], dtype=torch.int32, device=q.device), log_f, scale)
         total = self.length
         keys, values = self.k[:total], self.v[:total]
         lam = self.lam[:total] if lam_new is not None else None
-        if n == 1 and q.is_cuda and KERNEL:
+        if n == 1 and q.is_cuda and KERNEL and scale is None:
             from .fox.decode import decode_attention
 
             return decode_attention(q[0], keys, values, None if lam is None else lam_new[0], lam)[None]
         groups = q.shape[1] // k.shape[1]
         acc = torch.promote_types(q.dtype, torch.float32)
         logits = torch.einsum("qhd,khd->hqk", q.to(acc), keys.repeat_interleave(groups, dim=1).to(acc))
-        logits = logits * q.shape[-1] ** -0.5
+        logits = logits * (q.shape[-1] ** -0.5 if scale is None else scale)
         if lam is not None:
             logits = logits + (lam_new.T[:, :, None] - lam.T[:, None, :])
         q_pos = torch.arange(total - n, total, device=q.device)

@@ -1,5 +1,8 @@
 """The decoder: Llama-style blocks (RMSNorm, SwiGLU, grouped-query attention with RoPE), or
 Forgetting Transformer blocks (forget gate, optional QK-norm, output gate and norm, KV-shift).
+Other position encodings (positions.py): a learned table added to the token embeddings, ALiBi
+(a fixed per-head forget gate), SeqPE (a per-head bias p_q(i).p_k(j) on the logits, carried as
+extra query and key dimensions so the attention kernels need no bias input).
 
 Sequences are packed: a batch [B, T] is flattened to N = B*T tokens with document boundaries
 `cu_seqlens`, so attention, positions, the forget-gate cumulative sum and the KV-shift all
@@ -20,6 +23,7 @@ from . import attention, ulysses
 from .config import ModelConfig
 from .fox import Acp
 from .loss import chunked_cross_entropy
+from .positions import LearnedTable, SeqPE, alibi_slopes
 from .recompute import MODES, Recompute, recomputed
 from .rope import cos_sin, depends_on_length, inverse_frequencies, rotate
 from .transfer import to_device
@@ -95,6 +99,9 @@ class Attention(nn.Module):
             self.ogate = nn.Linear(cfg.d_model, h * d, bias=False)
         if self.output_norm:
             self.o_norm = RMSNorm(d, cfg.norm_eps)
+        if cfg.alibi:  # log f = -m_h at every token: the decay m_h (i - j)
+            self.register_buffer("alibi", -alibi_slopes(h), persistent=False)
+        self.use_alibi = cfg.alibi
 
     def forward(self, x: torch.Tensor, ctx: Context) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(output, ACP's [kept, total] tiles or None): per-token projections, then the part that
@@ -114,6 +121,8 @@ class Attention(nn.Module):
             v = self.v_proj(x).view(n, self.hk, self.d)
             k_gate = v_gate = None
         log_f = F.logsigmoid(self.fgate(x).float()) if self.forget_gate else None
+        if self.use_alibi:
+            log_f = self.alibi.expand(n, self.h)
         return q, k, v, log_f, k_gate, v_gate
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_f: torch.Tensor | None,
@@ -132,16 +141,19 @@ class Attention(nn.Module):
         if ctx.cos is not None:
             q = rotate(q.transpose(0, 1), ctx.cos, ctx.sin).transpose(0, 1)
             k = rotate(k.transpose(0, 1), ctx.cos, ctx.sin).transpose(0, 1)
+        if ctx.pe_q is not None:  # SeqPE: q.k + p_q.p_k, scaled by the heads' own 1 / sqrt(d)
+            q = torch.cat((q, ctx.pe_q.to(q.dtype)), dim=-1)
+            k = torch.cat((k, ctx.pe_k.to(k.dtype)), dim=-1)
         # one dtype for the kernels: under autocast, RoPE tables and norms come out in fp32
         q, k = q.to(v.dtype), k.to(v.dtype)
         tiles = None
         if cache is not None:
-            o = cache.attend(q, k, v, log_f, ctx.attend)
+            o = cache.attend(q, k, v, log_f, ctx.attend, ctx.scale)
         elif ctx.acp_eps is not None:
             o, tiles = attention.fox_pruned(q, k, v, ctx.cu_seqlens, log_f, eps=ctx.acp_eps,
                                             logit_bound=self.logit_bound())
         else:
-            o = ctx.attend(q, k, v, ctx.cu_seqlens, log_f)
+            o = ctx.attend(q, k, v, ctx.cu_seqlens, log_f, ctx.scale)
         return (self.o_norm(o) if self.output_norm else o), tiles
 
     def output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -198,8 +210,10 @@ class Context:
     tables and document starts cover all n tokens, also under sequence parallelism."""
 
     def __init__(self, cu_seqlens: torch.Tensor, n: int, cos, sin, attend, cache=None,
-                 acp_eps: float | None = None):
+                 acp_eps: float | None = None, pe: tuple[torch.Tensor, torch.Tensor, float] | None = None):
         self.cu_seqlens = cu_seqlens
+        self.pe_q, self.pe_k, self.scale = pe if pe is not None else (None, None, None)
+        """SeqPE's per-token query and key parts [N, heads, head_dim] and the logit scale."""
         self.acp_eps = acp_eps
         self.cos, self.sin = cos, sin
         self.attend = attend
@@ -207,6 +221,16 @@ class Context:
         self.doc_start = torch.zeros(n, dtype=torch.bool, device=cu_seqlens.device)
         if cache is None or cache.length == 0:  # index_fill: a host scalar `True` would be a copy and a sync
             self.doc_start.index_fill_(0, cu_seqlens[:-1].long(), True)
+
+
+def _top_position(host: list[int] | None, cache, n: int, given: bool) -> int | None:
+    """The largest position of a forward when the host knows it (no device read): the longest
+    document's last, or the cache's; None when the caller chose the positions."""
+    if cache is not None:
+        return cache.length + n - 1
+    if given or host is None:
+        return None
+    return max(b - a for a, b in zip(host[:-1], host[1:], strict=True)) - 1
 
 
 def packed_positions(cu_seqlens: torch.Tensor, n: int) -> torch.Tensor:
@@ -224,6 +248,11 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.learned_positions is not None:
+            self.positions = LearnedTable(cfg.learned_positions, cfg.max_position_embeddings, cfg.d_model)
+        if cfg.seqpe is not None:
+            self.seqpe = SeqPE(cfg.seqpe)
+            self.pe_qk = nn.Linear(cfg.seqpe.dim, (cfg.n_heads + cfg.kv_heads) * cfg.dim_head, bias=False)
         self.tie_weights()
         if attention_backend != "auto" and attention_backend not in attention.BACKENDS:
             raise ValueError(f"attention backend {attention_backend!r} is unknown (known: "
@@ -304,6 +333,7 @@ class Transformer(nn.Module):
         micro-batch and gets the hidden states of its own slice, `ulysses.bounds(N, sp_group)`."""
         ids = input_ids.reshape(-1)
         n, device = ids.numel(), ids.device
+        position_ids_given = position_ids is not None
         if cache is not None:
             if self.sp_group is not None:
                 raise ValueError("decoding with a cache runs without sequence parallelism")
@@ -321,7 +351,12 @@ class Transformer(nn.Module):
         lo, hi = ulysses.bounds(n, self.sp_group)
         x = self.embed_tokens(ids[lo:hi])
         cos, sin = self.rotary(position_ids.reshape(-1), cu_seqlens, x.dtype)
-        name = attention.resolve(self.attention_backend, device, self.cfg.fox is not None)
+        top = _top_position(host, cache, n, position_ids_given or not self.cfg.reset_position_ids)
+        if self.cfg.learned_positions is not None:
+            x = x + self.positions(position_ids.reshape(-1)[lo:hi], top)
+        pe = self._seqpe(position_ids.reshape(-1), top) if self.cfg.seqpe is not None else None
+        name = attention.resolve(self.attention_backend, device, self.cfg.fox is not None or self.cfg.alibi,
+                                 seqpe=self.cfg.seqpe is not None)
         if self.acp is not None and name != "fox":
             raise ValueError("ACP prunes FoX attention with the 'fox' attention backend (Triton, CUDA); this "
                              f"model is {'FoX' if self.cfg.fox else 'not FoX'} and attends with {name!r} on "
@@ -331,7 +366,7 @@ class Transformer(nn.Module):
         if plan is not None:
             attend = functools.partial(attend, plan=plan)
         acp_eps = self.acp.eps if self.acp is not None and cache is None else None
-        ctx = Context(cu_seqlens, n, cos, sin, attend, cache, acp_eps)
+        ctx = Context(cu_seqlens, n, cos, sin, attend, cache, acp_eps, pe)
         tiles = []
         for layer in self.layers:
             x, counts = layer(x, ctx)
@@ -342,6 +377,16 @@ class Transformer(nn.Module):
         if cache is not None:
             cache.length += n
         return self.norm(x)
+
+    def _seqpe(self, positions: torch.Tensor, top: int | None) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """SeqPE's per-token query and key parts, from one encoding per distinct position."""
+        if self.sp_group is not None:
+            raise ValueError("SeqPE models train without sequence parallelism (the position bias is not split "
+                             "over ranks); set sequence_parallel: 1")
+        distinct, which = torch.unique(positions, return_inverse=True)
+        parts = self.pe_qk(self.seqpe(distinct, top))[which]
+        h, hk, d = self.cfg.n_heads, self.cfg.kv_heads, self.cfg.dim_head
+        return parts[:, : h * d].view(-1, h, d), parts[:, h * d:].view(-1, hk, d), d**-0.5
 
     def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | list[int] | None = None,
                 position_ids: torch.Tensor | None = None, cache=None,

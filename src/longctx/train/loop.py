@@ -32,11 +32,12 @@ from ..model.fox import Acp
 from ..model.fox.acp import pruned
 from ..model.loss import IGNORE, shift_labels
 from ..model.transfer import to_device
-from ..model.transformer import Transformer
+from ..model.transformer import Transformer, packed_positions
 from . import checkpoint
 from .compiled import compile_blocks
 from .optim import adamw, lr_at
 from .parallel import Parallel, check_layout, sequence_parallel, shard, sharded, with_sequence_parallel
+from .seqpe import SeqPEStep
 
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12}
 MATMUL_BF16_FLOPS = {"H100": 790e12, "H200": 790e12}
@@ -191,8 +192,10 @@ class QueuedStep:
     GPU does not wait for the host to read, log and load the next batch."""
 
     def __init__(self, loss: torch.Tensor | float, norm: torch.Tensor | float, valid: int,
-                 opt: torch.optim.Optimizer):
+                 opt: torch.optim.Optimizer, extras: dict | None = None):
         self._loss, self._norm, self.valid, self._opt = loss, norm, valid, opt
+        self.extras = extras or {}
+        """Other numbers of the step to log (SeqPE's regularisers and their time), on the device."""
 
     def result(self) -> StepResult:
         """Waits for the step; raises TrainingDiverged when its loss or gradient norm is not
@@ -201,23 +204,38 @@ class QueuedStep:
         _check_finite(loss, norm, self._opt)
         return StepResult(loss, norm, self.valid)
 
+    def metrics(self) -> dict[str, float]:
+        return {name: x.seconds() * 1e3 if isinstance(x, _StepTimer) else float(x) for name, x in self.extras.items()}
+
 
 def queue_step(model: Transformer, opt: torch.optim.Optimizer, micro: list[Batch], par: Parallel, clip: float,
-               loss_chunk: int = 2048) -> QueuedStep:
+               loss_chunk: int = 2048, seqpe: SeqPEStep | None = None) -> QueuedStep:
     """`train_step` without reading its result: on one GPU with fused AdamW nothing here waits
-    on the device; elsewhere the checks run on the host before the update, as they must."""
+    on the device; elsewhere the checks run on the host before the update, as they must.
+    `seqpe`: the step's position shift and regularisers (SeqPE models)."""
     _check_group(model, par)
     valid = step_valid(micro, par)
+    shift = seqpe.offset(max(int((b.cu_seqlens[1:] - b.cu_seqlens[:-1]).max()) for b in micro)) if seqpe else 0
     total = torch.zeros((), device=par.device)  # summed on the device: no wait between micro-batches
     for b in micro:
+        positions = None
+        if shift:
+            positions = to_device(packed_positions(b.cu_seqlens, b.ids.numel()) + shift, par.device)
         with autocast(model, par.device):
-            loss = model(b.ids, b.cu_seqlens.tolist(), labels=b.labels,
+            loss = model(b.ids, b.cu_seqlens.tolist(), positions, labels=b.labels,
                          loss_chunk=loss_chunk) / max(valid, 1)
             loss.backward()
         total += loss.detach().float()
+    extras = {}
+    if seqpe is not None:
+        timer = _StepTimer(par.device)
+        with autocast(model, par.device):
+            extras = seqpe.regularise(model, shifted=shift > 0, ranks=par.world)
+        timer.stop()
+        extras["seqpe_regularisers_ms"] = timer
     # LONGCTX_STEP_END=host: the checks on the host, to time the two side by side
     if opt.defaults.get("fused") and not par.distributed and os.environ.get("LONGCTX_STEP_END") != "host":
-        return _step_on_device(model, opt, total, clip, valid)
+        return _step_on_device(model, opt, total, clip, valid, extras)
     total = par.sum(float(total))
     _check_finite(total, 0.0, opt)  # before clipping: a NaN loss makes a NaN norm
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -225,11 +243,11 @@ def queue_step(model: Transformer, opt: torch.optim.Optimizer, micro: list[Batch
     _check_finite(total, grad_norm, opt)
     opt.step()
     opt.zero_grad(set_to_none=True)
-    return QueuedStep(total, grad_norm, valid, opt)
+    return QueuedStep(total, grad_norm, valid, opt, extras)
 
 
 def _step_on_device(model: Transformer, opt: torch.optim.Optimizer, total: torch.Tensor, clip: float,
-                    valid: int) -> QueuedStep:
+                    valid: int, extras: dict) -> QueuedStep:
     """The end of a step without waiting on the device: fused AdamW divides the gradients by the
     clipping factor and skips the whole update (moments and step count too) when told to, through
     the `grad_scale` and `found_inf` tensors that torch's GradScaler hands it; the loss and the
@@ -243,7 +261,7 @@ def _step_on_device(model: Transformer, opt: torch.optim.Optimizer, total: torch
     finally:
         del opt.found_inf, opt.grad_scale
     opt.zero_grad(set_to_none=True)
-    return QueuedStep(total, norm, valid, opt)
+    return QueuedStep(total, norm, valid, opt, extras)
 
 
 def _check_finite(loss: float, norm: float, opt: torch.optim.Optimizer) -> None:
@@ -351,6 +369,7 @@ def train(model: Transformer, data: PackedDataset, cfg: RunParams, out: Path, tr
         rec = {"step": f.step + 1, "loss": total, "lr": f.lr, "grad_norm": grad_norm, "tokens": tokens,
                "valid_tokens": valid, "tokens_per_s": tokens / seconds,
                "tokens_per_s_per_rank": tokens / seconds / par.world}
+        rec |= f.queued.metrics()
         if model.acp is not None:
             rec["acp_pruned_fraction"] = par.sum(pruned(f.acp)) / par.world
         if peak:
@@ -377,7 +396,7 @@ def train(model: Transformer, data: PackedDataset, cfg: RunParams, out: Path, tr
         for g in opt.param_groups:
             g["lr"] = lr
         try:
-            queued = queue_step(model, opt, micro, par, cfg.clip, cfg.loss_chunk)
+            queued = queue_step(model, opt, micro, par, cfg.clip, cfg.loss_chunk, SeqPEStep.of(model, cfg, step))
         except TrainingDiverged as e:
             for f in in_flight:  # the steps before it are logged
                 finish(f)

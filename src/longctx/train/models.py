@@ -45,9 +45,12 @@ def preset(shape: str, arch: Literal["llama", "fox"] = "llama", window: int | No
 
 def base_config(params: ModelParams, vocab_size: int) -> ModelConfig:
     """The ModelConfig a base model is built from: params' Shape as it is, the position encoding
-    and FoX components its arch asks for."""
+    (params' position, else the arch's own) and FoX components its arch asks for."""
+    position = params.position or ("none" if params.arch == "fox" else "rope")
     return ModelConfig(vocab_size=vocab_size, **params.model_dump(include=set(Shape.model_fields)),
-                       rope=None if params.arch == "fox" else RopeConfig(theta=params.rope_theta),
+                       rope=RopeConfig(theta=params.rope_theta) if position == "rope" else None,
+                       learned_positions=params.learned_positions if position == "learned" else None,
+                       alibi=position == "alibi", seqpe=params.seqpe if position == "seqpe" else None,
                        fox=params.fox if params.arch == "fox" else None)
 
 
@@ -71,11 +74,21 @@ def load_model(path: str | Path, attention_backend: str = "auto") -> Transformer
 
 
 def with_positions(model: Transformer, rope: RopeConfig | None, window: int) -> Transformer:
-    """The same weights with another RoPE setting and context window."""
+    """The same weights with another RoPE setting and context window. A learned position table
+    grows to the new window by repeating its last row (what `beyond: clamp` would read there),
+    rows that the longer training then learns."""
     cfg = model.cfg.model_copy(update={"rope": rope if model.cfg.rope is not None else None,
                                        "max_position_embeddings": window})
+    if cfg.seqpe is not None:
+        cfg = ModelConfig.model_validate(cfg.model_dump())  # SeqPE's digits must still cover the window
+    state = model.state_dict()
+    table = state.get("positions.weight")
+    if table is not None and table.shape[0] != window:
+        if window < table.shape[0]:
+            raise ValueError(f"a learned position table of {table.shape[0]} rows does not shrink to {window}")
+        state["positions.weight"] = torch.cat((table, table[-1:].expand(window - table.shape[0], -1)))
     new = build(cfg, model.attention_backend, device="meta")  # shapes only: the weights are taken, not copied
-    new.load_state_dict(model.state_dict(), assign=True)
+    new.load_state_dict(state, assign=True)
     new.tie_weights()
     return new
 
