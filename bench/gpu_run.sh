@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # On a one-GPU CUDA machine without internet: the CUDA tests, then benchmarks (carry .whl:
 # pydantic; fla-core for the attention bench's peer). Logs and JSON go to $OUT (or bench/results).
-#   bash bench/gpu_run.sh [tests] [train_throughput] [model_step] [attention] [gates] [decode]   (default: all)
+#   bash bench/gpu_run.sh [tests] [train_throughput] [model_step] [attention] [gates] [positions] [decode]
+#   (default: all)
 # gates: a FoX (Pro) 125M trained 300 steps on data/packed/stage2 (carry it: the tiny profile's pack
-# stage makes it), then attention.py with its forget gates at 16K and 64K.
+# stage makes it), then attention.py with its forget gates at 16K and 64K. positions: bench/positions.py on
+# the same split.
 set -uo pipefail
 out=${OUT:-bench/results}
 mkdir -p "$out"
 source bench/gpu_env.sh || exit 1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-parts=${*:-tests train_throughput model_step attention gates decode}
+parts=${*:-tests train_throughput model_step attention gates positions decode}
 status=0
 for part in $parts; do
   case $part in
@@ -22,6 +24,7 @@ for part in $parts; do
              | tee "$out/train_fox.log" \
            && python3 bench/attention.py --gates-from bench/work/fox/model --gates-data data/packed/stage2/val \
              --lengths 16384 65536 --out "$out/gates" 2>&1 | tee "$out/gates.log" ;;
+    positions) python3 bench/positions.py --data data/packed/stage2 --out "$out" 2>&1 | tee "$out/positions.log" ;;
     *) python3 "bench/$part.py" --out "$out" 2>&1 | tee "$out/$part.log" ;;
   esac
   status=$(( status || PIPESTATUS[0] ))

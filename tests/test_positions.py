@@ -249,3 +249,19 @@ def test_a_seqpe_model_goes_through_base_pretrain_sft_and_eval(project_copy):
     assert not [s for s in results["skipped"] if "window" in s.get("reason", "")]
     for checkpoint in ("base", "sft"):
         assert {int(n) for by in results["tasks"][checkpoint].values() for n in by} == {256, 512}
+
+
+def test_positions_bench_trains_and_scores_every_encoding(small_project, tmp_path):
+    from bench.positions import MULTIPLES, main
+
+    got = main(["--data", str(small_project / "data/packed/stage2"), "--train-len", "64", "--steps", "3",
+                "--micro-batch", "2", "--shape", "tiny", "--eval-docs", "2", "--work", str(tmp_path / "work"),
+                "--out", str(tmp_path)])
+    rows = {r["model"]: r for r in got["rows"]}
+    assert list(rows) == ["RoPE", "learned (APE)", "ALiBi", "SeqPE", "FoX (Pro)"]
+    assert [r["position"] for r in rows.values()] == ["rope", "learned", "alibi", "seqpe", "none"]
+    for r in rows.values():
+        assert r["tokens_per_s"] > 0 and all(1 < r[f"ppl_{m}L"] < 1e4 for m in MULTIPLES)
+    assert rows["SeqPE"]["seqpe_regularisers_ms"] > 0 and rows["RoPE"]["tokens_per_s_vs_rope"] == 1.0
+    assert set(got["claim"]) == {"SeqPE below RoPE beyond L", "SeqPE below learned (APE) beyond L"}
+    assert json.loads(got["json"].read_text())["rows"] == got["rows"] and got["json"].with_suffix(".png").is_file()
