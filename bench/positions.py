@@ -24,9 +24,8 @@ import torch
 
 from longctx.config import RunParams
 from longctx.data.loader import PackedDataset, Sample
-from longctx.eval.needle import long_documents
+from longctx.eval.needle import long_documents, position_loss
 from longctx.eval.plots import position_loss as plot_position_loss
-from longctx.eval.suite import position_loss
 from longctx.model.attention import resolve
 from longctx.model.config import FoxConfig, LearnedPositions, ModelConfig, RopeConfig, SeqPEConfig
 from longctx.perf import write_result

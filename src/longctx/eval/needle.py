@@ -18,6 +18,7 @@ from ..data.loader import PackedDataset
 from ..data.tokenizer import TextTokenizer
 from ..errors import DataError
 from ..model.loss import IGNORE
+from ..model.transformer import Transformer
 
 KEYS = ["apple", "river", "copper", "violet", "harbor", "lantern", "meadow", "falcon", "granite", "orchid",
         "saffron", "tundra", "walnut", "ember", "glacier", "marble", "thistle", "cobalt", "juniper", "quartz"]
@@ -102,6 +103,21 @@ def needle_nll(model, seqs: list[NeedleSequence], batch_tokens: int = 32768) -> 
 
 def plain_nll(model, docs: list[np.ndarray], batch_tokens: int = 32768) -> float:
     return mean_nll(model, [(d, plain_labels(d)) for d in docs], batch_tokens)
+
+
+@torch.no_grad()
+def position_loss(model: Transformer, docs: list[np.ndarray]) -> np.ndarray:
+    """Mean next-token loss at every position (FoX paper Figure 2), over single documents."""
+    device = next(model.parameters()).device
+    n = min(len(d) for d in docs)
+    total = torch.zeros(n - 1, dtype=torch.float64)
+    for d in docs:
+        ids = torch.from_numpy(np.asarray(d[:n], dtype=np.int64)).to(device)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            logits = model(ids).float()
+        loss = torch.nn.functional.cross_entropy(logits[:-1], ids[1:], reduction="none")
+        total += loss.double().cpu()
+    return (total / len(docs)).numpy()
 
 
 def perplexity(nll: float) -> float:

@@ -114,21 +114,6 @@ def run_tasks(answer: Answerer, enc: Encoder, prompts: list[tasks.Prompt], desc:
                   "seconds": seconds}
 
 
-@torch.no_grad()
-def position_loss(model: Transformer, docs: list[np.ndarray]) -> np.ndarray:
-    """Mean next-token loss at every position (FoX paper Figure 2), over single documents."""
-    device = next(model.parameters()).device
-    n = min(len(d) for d in docs)
-    total = torch.zeros(n - 1, dtype=torch.float64)
-    for d in docs:
-        ids = torch.from_numpy(np.asarray(d[:n], dtype=np.int64)).to(device)
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            logits = model(ids).float()
-        loss = torch.nn.functional.cross_entropy(logits[:-1], ids[1:], reduction="none")
-        total += loss.double().cpu()
-    return (total / len(docs)).numpy()
-
-
 def smooth(values: np.ndarray, points: int = 64) -> tuple[list[int], list[float]]:
     """Per-position losses averaged over equal windows (a readable curve)."""
     edges = np.unique(np.linspace(0, len(values), points + 1).astype(int))
@@ -186,7 +171,7 @@ def perplexities(results: dict, name: str, model: Transformer, data: PackedDatas
         results["skipped"].append({"checkpoint": name, "task": "perplexity", "reason": "no long validation documents"})
         return []
     top = reach[-1]
-    losses = position_loss(model, [data[i].input_ids[:top] for i in docs_at[top]])
+    losses = needle.position_loss(model, [data[i].input_ids[:top] for i in docs_at[top]])
     curve = [{"checkpoint": name, "position": pos, "loss": value} for pos, value in zip(*smooth(losses), strict=True)]
     results["position_loss"][name] = {"positions": top, "mean": float(losses.mean())}
     results["ppl_by_length"][name] = {
