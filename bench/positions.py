@@ -4,8 +4,8 @@ clamped past its end), ALiBi, SeqPE (its regularisers and shifts on) and FoX (Pr
 per-position loss on long validation documents, its mean over [0, L), [L, 2L), [2L, 4L),
 [4L, 8L) and the perplexity of the first 1, 2, 4 and 8 x L tokens, L the training length; and
 each model's training tokens/s against RoPE's (the stages' own loop, eager, so SeqPE's
-regularisers and the other encodings run alike). Writes the table as JSON and the per-position
-loss as a plot.
+regularisers and the other encodings run alike). A model whose training diverges is reported so
+and scored at its last good step. Writes the table as JSON and the per-position loss as a plot.
 
     python bench/positions.py --data data/packed/stage2 --out bench/results     # GPU (CPU works)
 """
@@ -29,7 +29,7 @@ from longctx.eval.plots import position_loss as plot_position_loss
 from longctx.model.attention import resolve
 from longctx.model.config import FoxConfig, LearnedPositions, ModelConfig, RopeConfig, SeqPEConfig
 from longctx.perf import write_result
-from longctx.train.loop import flop_params, train
+from longctx.train.loop import TrainingDiverged, flop_params, train
 from longctx.train.models import build
 
 ENCODINGS = {
@@ -112,7 +112,13 @@ def main(argv: list[str] | None = None) -> dict:
         model = build(cfg, device=device)
         begin = time.perf_counter()
         work = args.work / name.split()[0].lower()
-        train(model, train_data, run, work, resume=False)
+        try:
+            train(model, train_data, run, work, resume=False)
+        except TrainingDiverged as e:  # report it, and score the weights of the last good step
+            diverged = str(e).split(";")[0]
+            print(f"{name}: {diverged}", flush=True)
+        else:
+            diverged = None
         seconds = time.perf_counter() - begin
         steps = [json.loads(line) for line in (work / "metrics.jsonl").read_text().splitlines()]
         late = steps[len(steps) // 2:]  # after the warm-up
@@ -121,6 +127,9 @@ def main(argv: list[str] | None = None) -> dict:
                "train_seconds": round(seconds, 1),
                "tokens_per_s": round(statistics.median(s["tokens_per_s"] for s in late)),
                "train_loss_last": round(steps[-1]["loss"], 4)}
+        if diverged:
+            row["diverged"] = diverged
+            row["last_logged"] = steps[-1]
         if "seqpe_regularisers_ms" in late[0]:
             row["seqpe_regularisers_ms"] = round(statistics.median(s["seqpe_regularisers_ms"] for s in late), 2)
         result = evaluate(model, docs, args.train_len)
@@ -144,7 +153,8 @@ def main(argv: list[str] | None = None) -> dict:
           " ".join(f"{f'ppl {m}L':>9}" for m in MULTIPLES) + f" {'loss 4-8L':>9}")
     for r in rows:
         print(f"{r['model']:<15} {r['params']:>9} {r['tokens_per_s']:>9} {r.get('tokens_per_s_vs_rope', '-'):>7} " +
-              " ".join(f"{r[f'ppl_{m}L']:>9.2f}" for m in MULTIPLES) + f" {r['loss_4L_8L']:>9.3f}")
+              " ".join(f"{r[f'ppl_{m}L']:>9.2f}" for m in MULTIPLES) + f" {r['loss_4L_8L']:>9.3f}" +
+              (f"  ({r['diverged']})" if "diverged" in r else ""))
     claim = {}
     seqpe = next((r for r in rows if r["model"] == "SeqPE"), None)
     if seqpe:

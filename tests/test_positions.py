@@ -265,3 +265,15 @@ def test_positions_bench_trains_and_scores_every_encoding(small_project, tmp_pat
     assert rows["SeqPE"]["seqpe_regularisers_ms"] > 0 and rows["RoPE"]["tokens_per_s_vs_rope"] == 1.0
     assert set(got["claim"]) == {"SeqPE below RoPE beyond L", "SeqPE below learned (APE) beyond L"}
     assert json.loads(got["json"].read_text())["rows"] == got["rows"] and got["json"].with_suffix(".png").is_file()
+
+
+def test_a_non_finite_regulariser_is_named_as_the_cause():
+    from longctx.train.loop import QueuedStep, TrainingDiverged
+
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])
+    nan = torch.tensor(float("nan"))
+    step = QueuedStep(torch.tensor(2.0), nan, 10, opt, {"seqpe_contrastive": torch.tensor(3.0), "seqpe_distill": nan})
+    with pytest.raises(TrainingDiverged, match="^seqpe_distill is nan$"):
+        step.result()
+    assert QueuedStep(torch.tensor(2.0), torch.tensor(1.0), 10, opt, {"seqpe_distill": torch.tensor(0.5)}).result() \
+        == (2.0, 1.0, 10)

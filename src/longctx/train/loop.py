@@ -198,10 +198,12 @@ class QueuedStep:
         """Other numbers of the step to log (SeqPE's regularisers and their time), on the device."""
 
     def result(self) -> StepResult:
-        """Waits for the step; raises TrainingDiverged when its loss or gradient norm is not
-        finite (on one GPU fused AdamW has then already skipped its update)."""
+        """Waits for the step; raises TrainingDiverged when its loss, an extra loss (SeqPE's) or
+        the gradient norm is not finite (on one GPU fused AdamW has then already skipped its
+        update), naming the first that is not."""
+        extras = [(name, float(x)) for name, x in self.extras.items() if isinstance(x, torch.Tensor)]
         loss, norm = float(self._loss), float(self._norm)
-        _check_finite(loss, norm, self._opt)
+        _check_finite([("loss", loss), *extras, ("gradient norm", norm)], self._opt)
         return StepResult(loss, norm, self.valid)
 
     def metrics(self) -> dict[str, float]:
@@ -237,10 +239,11 @@ def queue_step(model: Transformer, opt: torch.optim.Optimizer, micro: list[Batch
     if opt.defaults.get("fused") and not par.distributed and os.environ.get("LONGCTX_STEP_END") != "host":
         return _step_on_device(model, opt, total, clip, valid, extras)
     total = par.sum(float(total))
-    _check_finite(total, 0.0, opt)  # before clipping: a NaN loss makes a NaN norm
+    _check_finite([("loss", total), *((name, float(x)) for name, x in extras.items()
+                                      if isinstance(x, torch.Tensor))], opt)  # before clipping: NaN makes a NaN norm
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
     grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-    _check_finite(total, grad_norm, opt)
+    _check_finite([("gradient norm", grad_norm)], opt)
     opt.step()
     opt.zero_grad(set_to_none=True)
     return QueuedStep(total, grad_norm, valid, opt, extras)
@@ -264,9 +267,9 @@ def _step_on_device(model: Transformer, opt: torch.optim.Optimizer, total: torch
     return QueuedStep(total, norm, valid, opt, extras)
 
 
-def _check_finite(loss: float, norm: float, opt: torch.optim.Optimizer) -> None:
-    """Raise TrainingDiverged, the step's gradients dropped, on a non-finite loss or norm."""
-    for what, value in (("loss", loss), ("gradient norm", norm)):
+def _check_finite(values: list[tuple[str, float]], opt: torch.optim.Optimizer) -> None:
+    """Raise TrainingDiverged, the step's gradients dropped, on the first non-finite value."""
+    for what, value in values:
         if not math.isfinite(value):
             opt.zero_grad(set_to_none=True)
             raise TrainingDiverged(f"{what} is {value}")
