@@ -98,6 +98,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     train_data, val = Windows(PackedDataset(args.data / "train"), args.train_len), PackedDataset(args.data / "val")
     longest = MULTIPLES[-1] * args.train_len
     docs = [val[i].input_ids[:longest] for i in long_documents(val, longest)[: args.eval_docs]]
@@ -140,6 +141,7 @@ def main(argv: list[str] | None = None) -> dict:
         curves += [{"checkpoint": name, "position": p + window // 2, "loss": float(curve[p:p + window].mean())}
                    for p in range(0, len(curve) - window + 1, window)]
         print({k: v for k, v in row.items()}, flush=True)
+        write_result(args.out, "positions", {"rows": rows, "train_len": args.train_len}, device=device_name, quiet=True)
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -164,7 +166,6 @@ def main(argv: list[str] | None = None) -> dict:
                 beyond = {f"{m}L": seqpe[f"ppl_{m}L"] < base[f"ppl_{m}L"] for m in MULTIPLES[1:]}
                 claim[f"SeqPE below {other} beyond L"] = beyond
                 print(f"SeqPE's perplexity below {other}'s beyond the training length: {beyond}")
-    device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     path = write_result(args.out, "positions", {"rows": rows, "claim": claim, "train_len": args.train_len,
                                                 "steps": args.steps, "micro_batch": args.micro_batch,
                                                 "shape": args.shape, "eval_docs": len(docs)}, device=device_name)
