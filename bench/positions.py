@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
         steps = [json.loads(line) for line in (work / "metrics.jsonl").read_text().splitlines()]
         late = steps[len(steps) // 2:]  # after the warm-up
         row = {"model": name, "position": cfg.position, "params": flop_params(model),
-               "attention": resolve("auto", device, cfg.fox is not None or cfg.alibi, seqpe=cfg.seqpe is not None),
+               "attention": resolve("auto", device, cfg.fox is not None or cfg.alibi),
                "train_seconds": round(seconds, 1),
                "tokens_per_s": round(statistics.median(s["tokens_per_s"] for s in late)),
                "train_loss_last": round(steps[-1]["loss"], 4)}

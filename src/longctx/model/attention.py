@@ -58,7 +58,7 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Te
          log_f: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
     groups = q.shape[1] // k.shape[1]
     lam = doc_cumsum(log_f, cu_seqlens) if log_f is not None else None
-    out = q.new_empty(*q.shape[:2], v.shape[-1])  # values may be narrower than queries (SeqPE)
+    out = torch.empty_like(q)
     bounds = cu_seqlens.tolist()
     doc = doc_ids(cu_seqlens, q.shape[0]) if len(bounds) > 2 else None
     for a, b, several in _groups(bounds):
@@ -226,21 +226,11 @@ def available(device: torch.device) -> list[str]:
     return names
 
 
-WIDE_QK = ("reference", "sdpa")
-"""Backends whose queries and keys may be wider than the values (SeqPE's position parts)."""
-
-
-def resolve(name: str, device: torch.device, fox: bool, seqpe: bool = False) -> str:
+def resolve(name: str, device: torch.device, fox: bool) -> str:
     """The backend for a config value, checked against the device and the model (`fox`: a decay,
-    FoX's or ALiBi's; `seqpe`: SeqPE's wider queries and keys): a name from BACKENDS, or "auto"
-    for the fastest that can run it (cuDNN's kernel on Hopper, measured 1.5x FlashAttention-2
-    there)."""
+    FoX's or ALiBi's): a name from BACKENDS, or "auto" for the fastest that can run it (cuDNN's
+    kernel on Hopper, measured 1.5x FlashAttention-2 there)."""
     here = available(device)
-    if seqpe:
-        if name == "auto":
-            return "sdpa"
-        if name not in WIDE_QK:
-            raise ValueError(f"attention backend {name!r} cannot add SeqPE's position bias; use one of {list(WIDE_QK)}")
     if name == "auto":
         if device.type != "cuda":
             return "sdpa"
@@ -256,7 +246,7 @@ def resolve(name: str, device: torch.device, fox: bool, seqpe: bool = False) -> 
     if name not in here:
         raise ValueError(f"attention backend {name!r} cannot run on {device.type} here; use one of {here}")
     if fox and name in PLAIN_ONLY:
-        raise ValueError(f"attention backend {name!r} has no forget gate; for FoX use "
+        raise ValueError(f"attention backend {name!r} has no decay (FoX's forget gate, ALiBi); for those use "
                          f"{[b for b in here if b not in PLAIN_ONLY]}")
     return name
 

@@ -2,7 +2,7 @@
 Forgetting Transformer blocks (forget gate, optional QK-norm, output gate and norm, KV-shift).
 Other position encodings (positions.py): a learned table added to the token embeddings, ALiBi
 (a fixed per-head forget gate), SeqPE (a per-head bias p_q(i).p_k(j) on the logits, carried as
-extra query and key dimensions so the attention kernels need no bias input).
+extra query and key dimensions, the values padded alike, so every attention kernel runs it).
 
 Sequences are packed: a batch [B, T] is flattened to N = B*T tokens with document boundaries
 `cu_seqlens`, so attention, positions, the forget-gate cumulative sum and the KV-shift all
@@ -141,9 +141,13 @@ class Attention(nn.Module):
         if ctx.cos is not None:
             q = rotate(q.transpose(0, 1), ctx.cos, ctx.sin).transpose(0, 1)
             k = rotate(k.transpose(0, 1), ctx.cos, ctx.sin).transpose(0, 1)
-        if ctx.pe_q is not None:  # SeqPE: q.k + p_q.p_k, scaled by the heads' own 1 / sqrt(d)
+        width = v.shape[-1]
+        if ctx.pe_q is not None:
+            # SeqPE: q.k + p_q.p_k at the heads' own 1 / sqrt(d); the values padded with zeros to
+            # the same width (every kernel takes one head size), the padding dropped after
             q = torch.cat((q, ctx.pe_q.to(q.dtype)), dim=-1)
             k = torch.cat((k, ctx.pe_k.to(k.dtype)), dim=-1)
+            v = F.pad(v, (0, ctx.pe_q.shape[-1]))
         # one dtype for the kernels: under autocast, RoPE tables and norms come out in fp32
         q, k = q.to(v.dtype), k.to(v.dtype)
         tiles = None
@@ -154,6 +158,7 @@ class Attention(nn.Module):
                                             logit_bound=self.logit_bound())
         else:
             o = ctx.attend(q, k, v, ctx.cu_seqlens, log_f, ctx.scale)
+        o = o[..., :width]
         return (self.o_norm(o) if self.output_norm else o), tiles
 
     def output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -355,8 +360,7 @@ class Transformer(nn.Module):
         if self.cfg.learned_positions is not None:
             x = x + self.positions(position_ids.reshape(-1)[lo:hi], top)
         pe = self._seqpe(position_ids.reshape(-1), top) if self.cfg.seqpe is not None else None
-        name = attention.resolve(self.attention_backend, device, self.cfg.fox is not None or self.cfg.alibi,
-                                 seqpe=self.cfg.seqpe is not None)
+        name = attention.resolve(self.attention_backend, device, self.cfg.fox is not None or self.cfg.alibi)
         if self.acp is not None and name != "fox":
             raise ValueError("ACP prunes FoX attention with the 'fox' attention backend (Triton, CUDA); this "
                              f"model is {'FoX' if self.cfg.fox else 'not FoX'} and attends with {name!r} on "
