@@ -69,15 +69,13 @@ def workspace_lock(workspace: Path):
 @contextmanager
 def gpu_slot(stage: str):
     """A GPU for a GPU stage: a slot of the global limit (when the server has one) and one of
-    LONGCTX_GPUS (comma-separated ids) by a per-GPU file lock; nothing for CPU stages."""
-    if stage not in GPU_STAGES:
+    LONGCTX_GPUS (comma-separated ids) by a per-GPU file lock; nothing for CPU stages, nor where
+    LONGCTX_GPUS names no GPU (a machine without GPUs has no slot to wait for)."""
+    gpus = [g for g in os.environ.get("LONGCTX_GPUS", "").split(",") if g]
+    if stage not in GPU_STAGES or not gpus:
         yield {}
         return
     with concurrency(GPU_LIMIT, occupy=1, strict=False):
-        gpus = [g for g in os.environ.get("LONGCTX_GPUS", "").split(",") if g]
-        if not gpus:
-            yield {}
-            return
         lock_dir = Path(os.environ.get("LONGCTX_GPU_LOCKS", "/tmp/longctx-gpu-locks"))
         lock_dir.mkdir(parents=True, exist_ok=True)
         while True:
@@ -119,9 +117,9 @@ def run_stage(workspace: str, stage: str, parent_run: str | None, tracking_uri: 
         proc = subprocess.Popen(["dvc", "repro", stage], cwd=ws, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, bufsize=1)
         tail: list[str] = []
-        for line in proc.stdout:
-            line = line.rstrip("\n").split("\r")[-1]
-            if line and ("%|" not in line or "100%|" in line):  # progress bars: only their end
+        console = Console()
+        for raw in proc.stdout:
+            if (line := console.shown(raw)) is not None:
                 log.info("%s | %s", stage, line)
                 tail = (tail + [line])[-40:]
         code = proc.wait()
@@ -130,6 +128,35 @@ def run_stage(workspace: str, stage: str, parent_run: str | None, tracking_uri: 
         raise StageFailed(f"stage {stage} failed (exit {code}):\n" + "\n".join(errors))
     metrics = ws / "metrics" / f"{stage}.json"
     return json.loads(metrics.read_text()) if metrics.is_file() else {}
+
+
+class Console:
+    """What of a stage's output the flow logs: every line but blank ones, progress bars' running
+    states (a bar's final state once: tqdm prints it again right after, when it closes) and DVC's
+    per-stage git hints (the flow gives one at its end)."""
+
+    HINTS = ("To track the changes with git", "git add ", "To enable auto staging", "dvc config core.autostage")
+
+    def __init__(self):
+        self.bar: str | None = None
+
+    def shown(self, raw: str) -> str | None:
+        line = raw.rstrip("\n").split("\r")[-1]
+        if not line.strip() or line.strip().startswith(self.HINTS):
+            return None
+        bar = line.split("100%|")[0] if "100%|" in line else None
+        if ("%|" in line and bar is None) or (bar is not None and bar == self.bar):
+            return None
+        self.bar = bar  # the bar just shown (a repeat follows it at once), or None
+        return line
+
+
+def git_hint(ws: Path) -> str | None:
+    """One line for the whole run where DVC would print one per stage: dvc.lock changed."""
+    out = subprocess.run(["git", "status", "--porcelain", "--", "dvc.lock"], cwd=ws, capture_output=True, text=True)
+    if out.returncode or not out.stdout.strip():
+        return None
+    return "dvc.lock changed: `git add dvc.lock` records this run in git (`dvc config core.autostage true` does it)"
 
 
 def _transient(state) -> bool:
@@ -173,6 +200,8 @@ def pipeline(workspace: str = ".", stages: list[str] | None = None) -> dict[str,
                     str(ws), stage, parent, uri)
                 if digest := lock_hash(ws, stage):
                     tag_children(tracking, ws, parent, stage, {"dvc.lock_md5": digest})
+            if hint := git_hint(ws):
+                get_run_logger().info(hint)
         finally:
             end_run(tracking, ws, parent, ok=len(results) == len(chosen))
             create_markdown_artifact(_summary(results), key="longctx-stages",

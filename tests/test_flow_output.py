@@ -1,0 +1,71 @@
+"""What the pipeline flow shows of a stage's output (no Prefect server needed): DVC's per-stage
+git hints and progress bars' running states are dropped, a bar's final state shown once, and a
+machine without GPUs waits on no concurrency slot."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+from conftest import GIT_ENV
+from pipelines import flows
+
+# what `dvc repro pack` and a training stage print (DVC 3.67's hint; tqdm's bars through a pipe)
+OUTPUT = """Running stage 'pack':
+> python -m stages.pack
+pack stage1/train:   0%|          | 0/594 [00:00<?, ?seq/s]\rpack stage1/train:  50%|#####     | 297/594 [00:01<00:01]
+pack stage1/train: 100%|##########| 594/594 [00:02<00:00, 290seq/s]
+pack stage1/train: 100%|##########| 594/594 [00:02<00:00, 290seq/s]
+
+split  seq_len  sequences
+stage1    2048        594
+train: 100%|##########| 4/4 [00:01<00:00, 3.2step/s, loss=6.1]
+base: val loss 6.0
+train: 100%|##########| 4/4 [00:01<00:00, 3.1step/s, loss=5.9]
+Updating lock file 'dvc.lock'
+
+To track the changes with git, run:
+
+\tgit add dvc.lock
+
+To enable auto staging, run:
+
+\tdvc config core.autostage true
+"""
+
+
+def test_the_flow_log_keeps_what_a_person_reads():
+    console = flows.Console()
+    shown = [line for raw in OUTPUT.splitlines() if (line := console.shown(raw)) is not None]
+    assert shown == [
+        "Running stage 'pack':", "> python -m stages.pack",
+        "pack stage1/train: 100%|##########| 594/594 [00:02<00:00, 290seq/s]",
+        "split  seq_len  sequences", "stage1    2048        594",
+        "train: 100%|##########| 4/4 [00:01<00:00, 3.2step/s, loss=6.1]", "base: val loss 6.0",
+        "train: 100%|##########| 4/4 [00:01<00:00, 3.1step/s, loss=5.9]",  # another bar of the same name
+        "Updating lock file 'dvc.lock'"]
+
+
+def test_one_git_hint_when_dvc_lock_changed(tmp_path_factory):
+    repo, bare = tmp_path_factory.mktemp("repo"), tmp_path_factory.mktemp("bare")
+    subprocess.run(["git", "init", "-q"], cwd=repo, check=True, env={**os.environ, **GIT_ENV})
+    assert flows.git_hint(repo) is None
+    (repo / "dvc.lock").write_text("schema: '2.0'\n")
+    assert "git add dvc.lock" in flows.git_hint(repo)
+    (bare / "dvc.lock").write_text("schema: '2.0'\n")
+    assert flows.git_hint(bare) is None  # not a git repository: nothing to say
+
+
+def test_no_gpu_slot_is_waited_for_without_gpus(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the GPU concurrency limit was asked for on a machine without GPUs")
+
+    monkeypatch.setattr(flows, "concurrency", refuse)
+    monkeypatch.delenv("LONGCTX_GPUS", raising=False)
+    with flows.gpu_slot("base") as extra:
+        assert extra == {}
+    monkeypatch.setenv("LONGCTX_GPUS", "0")
+    with pytest.raises(AssertionError, match="concurrency limit"), flows.gpu_slot("base"):
+        pass
