@@ -15,15 +15,21 @@ def pyplot():
 
 
 def save(fig, path: Path) -> None:
-    fig.tight_layout()
+    if fig.get_layout_engine() is None:  # a figure made with its own layout (constrained) keeps it
+        fig.tight_layout()
     fig.savefig(path, dpi=110)
     pyplot().close(fig)
 
 
-def finish(fig, ax, path: Path, xlabel: str, ylabel: str, title: str) -> None:
-    """Label one axes, add its legend, write the figure."""
+def labels(ax, xlabel: str, ylabel: str, title: str) -> None:
+    """Label one axes and add its legend."""
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.legend(fontsize=8)
+
+
+def finish(fig, ax, path: Path, xlabel: str, ylabel: str, title: str) -> None:
+    """Label one axes, add its legend, write the figure."""
+    labels(ax, xlabel, ylabel, title)
     save(fig, path)

@@ -6,19 +6,33 @@ from pathlib import Path
 
 import numpy as np
 
-from ..plotting import finish, pyplot, save
+from ..plotting import finish, labels, pyplot, save
+
+MARKERS = "osD^vP*X"
 
 
 def score_vs_length(scores: dict[str, dict[str, dict[int, float]]], path: Path) -> None:
-    """Mean score over tasks against context length, one line per checkpoint."""
+    """Mean score over tasks against context length, one line per checkpoint. Lines that would
+    lie on top of each other stay visible: each checkpoint has its own marker and a small sideways
+    offset, and a checkpoint whose scores equal an earlier one's says so in the legend."""
+    save(score_figure(scores), path)
+
+
+def score_figure(scores: dict[str, dict[str, dict[int, float]]]):
     fig, ax = pyplot().subplots(figsize=(7, 4.2))
-    for ckpt, by_task in scores.items():
+    seen: dict[tuple, str] = {}
+    for i, (ckpt, by_task) in enumerate(scores.items()):
         lengths = sorted({n for by in by_task.values() for n in by})
-        means = [np.mean([by[n] for by in by_task.values() if n in by]) for n in lengths]
-        ax.plot(lengths, means, marker="o", label=ckpt)
+        means = [float(np.mean([by[n] for by in by_task.values() if n in by])) for n in lengths]
+        key = (tuple(lengths), tuple(round(m, 6) for m in means))
+        label = ckpt if key not in seen else f"{ckpt} (same as {seen[key]})"
+        seen.setdefault(key, ckpt)
+        shift = 2 ** (0.04 * (i - (len(scores) - 1) / 2))  # x is log2: a constant ratio is a constant offset
+        ax.plot([n * shift for n in lengths], means, marker=MARKERS[i % len(MARKERS)], alpha=0.85, label=label)
     ax.set_xscale("log", base=2)
     ax.set_ylim(-0.02, 1.02)
-    finish(fig, ax, path, "context length (tokens)", "mean task score", "Long-context tasks against length")
+    labels(ax, "context length (tokens)", "mean task score", "Long-context tasks against length")
+    return fig
 
 
 def position_loss(rows: list[dict], path: Path) -> None:
@@ -31,21 +45,31 @@ def position_loss(rows: list[dict], path: Path) -> None:
 
 
 def niah_heatmap(rows: list[dict], path: Path) -> None:
-    """Single-needle (noise haystack) score by depth x length, one panel per checkpoint."""
+    """Single-needle (noise haystack) score by depth x length, one panel per checkpoint, each
+    cell's score written in it and the colour scale beside the panels."""
+    save(niah_figure(rows), path)
+
+
+def niah_figure(rows: list[dict]):
     cells = [r for r in rows if r["task"] == "niah_single_noise"]
     ckpts = list(dict.fromkeys(r["checkpoint"] for r in cells)) or ["none"]
-    fig, axes = pyplot().subplots(1, len(ckpts), figsize=(3.2 * len(ckpts), 3.2), squeeze=False)
+    fig, axes = pyplot().subplots(1, len(ckpts), figsize=(3.2 * len(ckpts) + 0.8, 3.2), squeeze=False,
+                                  layout="constrained")
     lengths = sorted({r["length"] for r in cells})
     depths = sorted({r["depth"] for r in cells})
+    image = None
     for ax, ckpt in zip(axes[0], ckpts, strict=True):
         grid = np.full((len(depths), len(lengths)), np.nan)
         for r in cells:
             if r["checkpoint"] == ckpt:
                 grid[depths.index(r["depth"]), lengths.index(r["length"])] = r["score"]
-        ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        image = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        for (y, x), v in np.ndenumerate(grid):
+            ax.text(x, y, "-" if np.isnan(v) else f"{v:.2f}", ha="center", va="center", fontsize=7)
         ax.set_xticks(range(len(lengths)), [str(n) for n in lengths], fontsize=7)
         ax.set_yticks(range(len(depths)), [f"{d:.2f}" for d in depths], fontsize=7)
         ax.set_title(ckpt, fontsize=9)
         ax.set_xlabel("length")
     axes[0][0].set_ylabel("needle depth")
-    save(fig, path)
+    fig.colorbar(image, ax=list(axes[0]), label="score", shrink=0.9)
+    return fig

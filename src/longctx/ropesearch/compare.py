@@ -15,7 +15,7 @@ from ..data.tokenizer import TextTokenizer
 from ..eval import needle
 from ..model.config import RopeConfig
 from ..model.transformer import Transformer
-from ..plotting import finish, pyplot
+from ..plotting import labels, pyplot, save
 from .evolve import Settings, State, search
 from .space import Individual, Space, factors_of, method_ropes, rope_of, seeds
 
@@ -126,12 +126,21 @@ def verdict(table: list[dict], target: int) -> dict:
 
 def plot_factors(factors: dict[str, list[float]], space: Space, path: Path) -> None:
     """Factor vs frequency index for every method (LongRoPE2's Figure 4)."""
+    save(factors_figure(factors, space), path)
+
+
+def factors_figure(factors: dict[str, list[float]], space: Space):
     fig, ax = pyplot().subplots(figsize=(8, 4.5))
     for name, f in factors.items():
+        label = name
+        if name == SEARCHED:  # drawn over a baseline it equals: the legend says so, the line dashed
+            same = [b for b, g in factors.items() if b != name and np.allclose(g, f, rtol=1e-6)]
+            label = f"{name} (= {', '.join(same)}: the search found nothing better)" if same else name
         ax.plot(range(len(f)), f, marker="o" if name == SEARCHED else ".", linewidth=2.2 if name == SEARCHED else 1.2,
-                label=name)
+                linestyle="--" if label != name else "-", label=label)
     ax.axvline(space.tcd, color="k", linestyle="--", linewidth=1, label=f"theoretical critical index {space.tcd}")
     ax.axhline(space.scale, color="grey", linestyle=":", linewidth=1, label=f"s = {space.scale:g}")
     ax.set_yscale("log")
-    finish(fig, ax, path, "frequency index i (dimension 2i)", "rescale factor lambda_i",
+    labels(ax, "frequency index i (dimension 2i)", "rescale factor lambda_i",
            f"RoPE factors, {space.original} -> {space.target} tokens")
+    return fig

@@ -1,0 +1,45 @@
+"""Figures a person reads at a glance: the NIAH grid writes every cell's score and has a colour
+scale, overlapping score lines stay visible and say when they coincide, and the factor plot says
+when the searched factors are a baseline's."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from longctx.eval.plots import niah_figure, niah_heatmap, score_figure
+from longctx.ropesearch.compare import SEARCHED, factors_figure
+from longctx.ropesearch.space import Space
+
+
+def test_niah_grid_has_values_and_a_colour_scale(tmp_path):
+    rows = [{"task": "niah_single_noise", "checkpoint": c, "length": n, "depth": d, "score": s}
+            for c, s0 in (("base", 0.0), ("pretrain", 0.5)) for n in (512, 2048) for d, s in ((0.1, s0), (0.9, 1.0))]
+    rows.append({"task": "niah_single_noise", "checkpoint": "base", "length": 4096, "depth": 0.1, "score": 0.25})
+    fig = niah_figure(rows)
+    panels, bar = fig.axes[:2], fig.axes[2:]
+    assert len(bar) == 1 and bar[0].get_ylabel() == "score"
+    texts = [t.get_text() for t in panels[0].texts]
+    assert sorted(texts) == sorted(["0.00", "0.00", "0.25", "1.00", "1.00", "-"])  # 4096 x depth 0.9 never ran
+    assert sorted(t.get_text() for t in panels[1].texts) == ["-", "-", "0.50", "0.50", "1.00", "1.00"]
+    niah_heatmap(rows, tmp_path / "niah.png")
+    assert (tmp_path / "niah.png").stat().st_size > 5000
+
+
+def test_coinciding_score_lines_stay_visible_and_say_so():
+    same = {"task_a": {512: 0.0, 2048: 0.0}}
+    fig = score_figure({"base": same, "pretrain": same, "sft": {"task_a": {512: 1.0, 2048: 0.5}}})
+    lines = fig.axes[0].get_lines()
+    assert [ln.get_label() for ln in lines] == ["base", "pretrain (same as base)", "sft"]
+    assert len({ln.get_marker() for ln in lines}) == 3
+    assert lines[0].get_xdata()[0] != lines[1].get_xdata()[0]  # offset sideways, both visible
+    assert abs(lines[0].get_xdata()[0] / 512 - 1) < 0.05
+
+
+def test_factor_plot_says_when_the_search_equals_a_baseline():
+    space = Space(16, 10000.0, 256, 1024)
+    ntk = [1.0 + i for i in range(8)]
+    fig = factors_figure({"pi": [4.0] * 8, "ntk": ntk, SEARCHED: list(np.array(ntk) * (1 + 1e-9))}, space)
+    labels = [ln.get_label() for ln in fig.axes[0].get_lines()]
+    assert f"{SEARCHED} (= ntk: the search found nothing better)" in labels
+    other = factors_figure({"pi": [4.0] * 8, SEARCHED: ntk}, space)
+    assert SEARCHED in [ln.get_label() for ln in other.axes[0].get_lines()]
