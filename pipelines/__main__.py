@@ -21,20 +21,34 @@ from .flows import pipeline  # noqa: E402
 
 
 def summary(ws: Path) -> str:
+    """Each checkpoint's score on every task at every evaluated length, its perplexities, and a
+    line naming the best checkpoint at the longest length."""
     ev = json.loads((ws / "metrics" / "eval.json").read_text())
     lengths, means = length_means(ev["tasks"])
-    head = ["checkpoint", *[f"tasks@{n}" for n in lengths], "ppl@longest", "needle ppl@longest", "short ppl"]
+    tasks = sorted({t for by_task in ev["tasks"].values() for t in by_task})
+    head = ["checkpoint", *[f"{t}@{n}" for n in lengths for t in tasks], "ppl@longest", "needle ppl@longest",
+            "short ppl"]
     rows = [head]
-    for ckpt, by_length in means.items():
-        cells = [ckpt, *(f"{by_length[n]:.3f}" if n in by_length else "skipped" for n in lengths)]
+    for ckpt, by_task in ev["tasks"].items():
+        cells = [ckpt, *(f"{by_task[t][str(n)]:.2f}" if str(n) in by_task.get(t, {}) else "-"
+                         for n in lengths for t in tasks)]
         ppl, needle = ev["ppl_by_length"].get(ckpt, {}), ev["needle_ppl"].get(ckpt, {})
         top = max(ppl, key=int) if ppl else None
         cells += [f"{ppl[top]:.1f}" if top else "n/a", f"{needle[top]:.1f}" if top in needle else "n/a",
                   f"{ev['retention_ppl'][ckpt]:.1f}" if ckpt in ev["retention_ppl"] else "n/a"]
         rows.append(cells)
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    return "\n".join("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
-                     for r in rows)
+    table = "\n".join("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+                      for r in rows)
+    longest = lengths[-1] if lengths else None
+    scored = {c: by[longest] for c, by in means.items() if longest in by}
+    if not scored:
+        return table
+    best = max(scored.values())
+    leaders = [c for c, v in scored.items() if v == best]
+    if len(leaders) == len(scored):
+        return table + f"\nat {longest} tokens every checkpoint scores {best:.2f}: the tasks do not tell them apart"
+    return table + f"\nbest at {longest} tokens: {', '.join(leaders)} (mean task score {best:.2f})"
 
 
 def main() -> None:

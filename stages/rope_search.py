@@ -15,7 +15,7 @@ from longctx.data.tokenizer import TextTokenizer
 from longctx.errors import ConfigError, DataError
 from longctx.io import atomic_dir, write_json
 from longctx.model.rope import hf_rope_parameters
-from longctx.ropesearch.compare import SEARCHED, needle_sets, plot_factors, search_and_compare
+from longctx.ropesearch.compare import SEARCHED, needle_sets, plot_factors, same_as, search_and_compare
 from longctx.ropesearch.space import Space
 from longctx.tracking import stage_run
 from longctx.train.models import load_model
@@ -89,7 +89,7 @@ def run(cfg: Params, root: Path) -> None:
         result = search_and_compare(model, space, data, tok, rs, needles, theta_change, lengths,
                                     folder / "state.json")
         state, table, factors = result.state, result.table, result.factors
-        summary = result.summary | {"split": split}
+        summary = result.summary | {"split": split, "searched_equals": same_as(result.factors)}
         for h in state.history:
             tracker.metrics({"search.best_needle_nll": h["best"], "search.mean_needle_nll": h["mean"],
                              "search.evaluations": h["evaluations"]}, step=h["generation"])
@@ -112,6 +112,9 @@ def run(cfg: Params, root: Path) -> None:
         tracker.artifact(PLOTS / "rope_factors.png")
         print(f"rope_search: {SEARCHED} needle ppl {summary['searched_needle_ppl']:.3f} vs best baseline "
               f"{summary['best_baseline']} {summary['best_baseline_needle_ppl']:.3f} at {target} (held-out sequences)")
+        if summary["searched_equals"]:
+            print(f"rope_search: the searched factors are {summary['searched_equals']}'s: the search found nothing "
+                  "better than the baselines (more generations or a larger population may)")
 
 
 def _run_folder(cfg: Params, init: str, split: str) -> Path:

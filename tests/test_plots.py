@@ -43,3 +43,10 @@ def test_factor_plot_says_when_the_search_equals_a_baseline():
     assert f"{SEARCHED} (= ntk: the search found nothing better)" in labels
     other = factors_figure({"pi": [4.0] * 8, SEARCHED: ntk}, space)
     assert SEARCHED in [ln.get_label() for ln in other.axes[0].get_lines()]
+
+
+def test_same_as_names_the_baseline_the_search_kept():
+    from longctx.ropesearch.compare import same_as
+
+    assert same_as({"ntk": [1.0, 2.0], "yarn": [1.0, 3.0], SEARCHED: [1.0, 2.0]}) == "ntk"
+    assert same_as({"ntk": [1.0, 2.0], SEARCHED: [1.0, 2.5]}) is None

@@ -124,6 +124,12 @@ def verdict(table: list[dict], target: int) -> dict:
             "searched_not_worse_held_out": at[SEARCHED]["needle_ppl"] <= baselines[best]["needle_ppl"] * (1 + 1e-4)}
 
 
+def same_as(factors: dict[str, list[float]]) -> str | None:
+    """The baseline whose factors the searched ones equal (the search kept a seed), or None."""
+    found = [b for b, f in factors.items() if b != SEARCHED and np.allclose(f, factors[SEARCHED], rtol=1e-6)]
+    return ", ".join(found) or None
+
+
 def plot_factors(factors: dict[str, list[float]], space: Space, path: Path) -> None:
     """Factor vs frequency index for every method (LongRoPE2's Figure 4)."""
     save(factors_figure(factors, space), path)
@@ -133,9 +139,8 @@ def factors_figure(factors: dict[str, list[float]], space: Space):
     fig, ax = pyplot().subplots(figsize=(8, 4.5))
     for name, f in factors.items():
         label = name
-        if name == SEARCHED:  # drawn over a baseline it equals: the legend says so, the line dashed
-            same = [b for b, g in factors.items() if b != name and np.allclose(g, f, rtol=1e-6)]
-            label = f"{name} (= {', '.join(same)}: the search found nothing better)" if same else name
+        if name == SEARCHED and (same := same_as(factors)):  # drawn over it: the legend says so, the line dashed
+            label = f"{name} (= {same}: the search found nothing better)"
         ax.plot(range(len(f)), f, marker="o" if name == SEARCHED else ".", linewidth=2.2 if name == SEARCHED else 1.2,
                 linestyle="--" if label != name else "-", label=label)
     ax.axvline(space.tcd, color="k", linestyle="--", linewidth=1, label=f"theoretical critical index {space.tcd}")
