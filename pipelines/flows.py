@@ -26,7 +26,7 @@ from prefect.concurrency.sync import concurrency
 from prefect.runtime import flow_run
 
 from longctx.config import load
-from longctx.eval.report import score_rows
+from longctx.eval.report import length_means, score_rows
 from longctx.tracking import PARENT_ENV, end_run, open_run, tag_children, tracking_uri
 
 
@@ -170,13 +170,24 @@ def _transient(state) -> bool:
     return False
 
 
+def headline(evaluated: dict | None) -> dict[str, float]:
+    """The parent run's metrics: each checkpoint's mean task score and perplexity at each length
+    (from this run's eval, when it ran)."""
+    if not evaluated or "tasks" not in evaluated:
+        return {}
+    _, means = length_means(evaluated["tasks"])
+    out = {f"{c}.tasks_at_{n}": v for c, by in means.items() for n, v in by.items()}
+    out |= {f"{c}.ppl_at_{n}": v for c, by in evaluated.get("ppl_by_length", {}).items() for n, v in by.items()}
+    return out
+
+
 def _summary(results: dict[str, dict]) -> str:
     lines = ["| stage | key metrics |", "|---|---|"]
     for stage, metrics in results.items():
         flat = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}
         if not flat and "summary" in metrics:
             flat = {k: v for k, v in metrics["summary"].items() if isinstance(v, (int, float))}
-        shown = ", ".join(f"{k}={v:.4g}" for k, v in list(flat.items())[:6]) or "see metrics/" + stage + ".json"
+        shown = ", ".join(f"{k}={v:.4g}" for k, v in list(flat.items())[:6]) or "(this stage writes no metrics)"
         lines.append(f"| {stage} | {shown} |")
     return "\n".join(lines)
 
@@ -187,11 +198,12 @@ def pipeline(workspace: str = ".", stages: list[str] | None = None) -> dict[str,
     MLflow store and experiment are the workspace params' `tracking` settings, as for the stages."""
     ws = Path(workspace).resolve()
     chosen = [s for s in stages_of(ws) if stages is None or s in stages]
-    tracking = load(ws / "params.yaml").tracking
+    params = load(ws / "params.yaml")
+    tracking = params.tracking
     uri = tracking_uri(tracking, ws)
     with workspace_lock(ws):
         parent = open_run(tracking, ws, "pipeline", flow_run.get_name() or "pipeline",
-                          {"prefect.flow_run_id": str(flow_run.get_id() or "")})
+                          {"prefect.flow_run_id": str(flow_run.get_id() or ""), "longctx.profile": params.profile})
         results = {}
         try:
             for stage in chosen:
@@ -203,7 +215,7 @@ def pipeline(workspace: str = ".", stages: list[str] | None = None) -> dict[str,
             if hint := git_hint(ws):
                 get_run_logger().info(hint)
         finally:
-            end_run(tracking, ws, parent, ok=len(results) == len(chosen))
+            end_run(tracking, ws, parent, ok=len(results) == len(chosen), metrics=headline(results.get("eval")))
             create_markdown_artifact(_summary(results), key="longctx-stages",
                                      description=f"stage metrics of {ws}")
     return results

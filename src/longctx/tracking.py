@@ -126,8 +126,10 @@ def open_run(cfg: TrackingParams, root: Path, stage: str, name: str, tags: dict[
                              tags=run_tags(root, stage) | (tags or {})).info.run_id
 
 
-def end_run(cfg: TrackingParams, root: Path, run_id: str | None, ok: bool, text: dict[str, str] | None = None) -> None:
-    """Close a run from `open_run`, FINISHED or FAILED, with `text` files (name: content) attached."""
+def end_run(cfg: TrackingParams, root: Path, run_id: str | None, ok: bool, text: dict[str, str] | None = None,
+            metrics: dict[str, float] | None = None) -> None:
+    """Close a run from `open_run`, FINISHED or FAILED, with `text` files (name: content) attached
+    and `metrics` logged."""
     if run_id is None:
         return
     from mlflow.tracking import MlflowClient
@@ -135,6 +137,8 @@ def end_run(cfg: TrackingParams, root: Path, run_id: str | None, ok: bool, text:
     client = MlflowClient(tracking_uri(cfg, root))
     for name, content in (text or {}).items():
         client.log_text(run_id, content, name)
+    for key, value in (metrics or {}).items():
+        client.log_metric(run_id, key, value)
     client.set_terminated(run_id, "FINISHED" if ok else "FAILED")
 
 
