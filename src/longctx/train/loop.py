@@ -192,22 +192,29 @@ class QueuedStep:
     GPU does not wait for the host to read, log and load the next batch."""
 
     def __init__(self, loss: torch.Tensor | float, norm: torch.Tensor | float, valid: int,
-                 opt: torch.optim.Optimizer, extras: dict | None = None):
+                 opt: torch.optim.Optimizer, extras: dict[str, torch.Tensor] | None = None,
+                 timer: _StepTimer | None = None):
         self._loss, self._norm, self.valid, self._opt = loss, norm, valid, opt
         self.extras = extras or {}
-        """Other numbers of the step to log (SeqPE's regularisers and their time), on the device."""
+        """Other losses of the step (SeqPE's regularisers), on the device; `timer` times them."""
+        self.timer = timer
 
     def result(self) -> StepResult:
         """Waits for the step; raises TrainingDiverged when its loss, an extra loss (SeqPE's) or
         the gradient norm is not finite (on one GPU fused AdamW has then already skipped its
         update), naming the first that is not."""
-        extras = [(name, float(x)) for name, x in self.extras.items() if isinstance(x, torch.Tensor)]
         loss, norm = float(self._loss), float(self._norm)
-        _check_finite([("loss", loss), *extras, ("gradient norm", norm)], self._opt)
+        _check_finite([("loss", loss), *_floats(self.extras), ("gradient norm", norm)], self._opt)
         return StepResult(loss, norm, self.valid)
 
     def metrics(self) -> dict[str, float]:
-        return {name: x.seconds() * 1e3 if isinstance(x, _StepTimer) else float(x) for name, x in self.extras.items()}
+        """The extra losses, and their milliseconds as `seqpe_regularisers_ms`."""
+        timed = {"seqpe_regularisers_ms": self.timer.seconds() * 1e3} if self.timer is not None else {}
+        return dict(_floats(self.extras)) | timed
+
+
+def _floats(values: dict[str, torch.Tensor]) -> list[tuple[str, float]]:
+    return [(name, float(x)) for name, x in values.items()]
 
 
 def queue_step(model: Transformer, opt: torch.optim.Optimizer, micro: list[Batch], par: Parallel, clip: float,
@@ -228,29 +235,27 @@ def queue_step(model: Transformer, opt: torch.optim.Optimizer, micro: list[Batch
                          loss_chunk=loss_chunk) / max(valid, 1)
             loss.backward()
         total += loss.detach().float()
-    extras = {}
+    extras, timer = {}, None
     if seqpe is not None:
         timer = _StepTimer(par.device)
         with autocast(model, par.device):
             extras = seqpe.regularise(model, shifted=shift > 0, ranks=par.world)
         timer.stop()
-        extras["seqpe_regularisers_ms"] = timer
     # LONGCTX_STEP_END=host: the checks on the host, to time the two side by side
     if opt.defaults.get("fused") and not par.distributed and os.environ.get("LONGCTX_STEP_END") != "host":
-        return _step_on_device(model, opt, total, clip, valid, extras)
+        return _step_on_device(model, opt, total, clip, valid, extras, timer)
     total = par.sum(float(total))
-    _check_finite([("loss", total), *((name, float(x)) for name, x in extras.items()
-                                      if isinstance(x, torch.Tensor))], opt)  # before clipping: NaN makes a NaN norm
+    _check_finite([("loss", total), *_floats(extras)], opt)  # before clipping: a NaN makes a NaN norm
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
     grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
     _check_finite([("gradient norm", grad_norm)], opt)
     opt.step()
     opt.zero_grad(set_to_none=True)
-    return QueuedStep(total, grad_norm, valid, opt, extras)
+    return QueuedStep(total, grad_norm, valid, opt, extras, timer)
 
 
 def _step_on_device(model: Transformer, opt: torch.optim.Optimizer, total: torch.Tensor, clip: float,
-                    valid: int, extras: dict) -> QueuedStep:
+                    valid: int, extras: dict[str, torch.Tensor], timer: _StepTimer | None) -> QueuedStep:
     """The end of a step without waiting on the device: fused AdamW divides the gradients by the
     clipping factor and skips the whole update (moments and step count too) when told to, through
     the `grad_scale` and `found_inf` tensors that torch's GradScaler hands it; the loss and the
@@ -264,7 +269,7 @@ def _step_on_device(model: Transformer, opt: torch.optim.Optimizer, total: torch
     finally:
         del opt.found_inf, opt.grad_scale
     opt.zero_grad(set_to_none=True)
-    return QueuedStep(total, norm, valid, opt, extras)
+    return QueuedStep(total, norm, valid, opt, extras, timer)
 
 
 def _check_finite(values: list[tuple[str, float]], opt: torch.optim.Optimizer) -> None:
