@@ -1,15 +1,43 @@
 #!/usr/bin/env bash
 # On a machine of several GPUs without internet: bench/scale.py under torchrun, one process per
-# GPU, at the Llama-3-8B shape (carry .whl: pydantic). JSON (written after every setting) and the
-# log go to $OUT (or bench/results).
-#   SETTINGS="fsdp sp fox-fsdp fox-sp" SP_SEQ=262144 bash bench/gpu_scale.sh [more scale.py args]
+# GPU, at the Llama-3-8B shape (carry .whl: pydantic). JSON (written after every setting) and one
+# log per run go to $OUT (or bench/results). Each run is cut at $LIMIT seconds (default 300) so
+# one that hangs cannot take the others' time.
+#   bash bench/gpu_scale.sh [fsdp] [sp] [offload]     (default: fsdp sp)
+# fsdp:    64K tokens per sequence, FSDP2 over all GPUs, 2 sequences per rank per step dealt by
+#          attention cost: full recomputation; attention recomputation (profiled); attention
+#          recomputation with the sequences dealt as generated; FoX (Pro) + ACP
+# sp:      Ulysses over all GPUs at $SP_SEQ tokens (default 262144), full recomputation:
+#          Transformer and FoX (Pro) + ACP
+# offload: the Transformer at $OFFLOAD_SEQ tokens (default 524288) with sequence parallelism and
+#          FSDP2 CPU offload
 set -uo pipefail
 out=${OUT:-bench/results}
 mkdir -p "$out"
 source bench/gpu_env.sh || exit 1
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 gpus=$(nvidia-smi -L | wc -l)
-torchrun --standalone --nproc-per-node "$gpus" bench/scale.py --settings ${SETTINGS:-fsdp sp fox-fsdp fox-sp} \
-  --sp-seq "${SP_SEQ:-262144}" --steps 2 --warmup 1 --out "$out" "$@" 2>&1 | grep -v "Warning\|_warn_once" \
-  | tee "$out/scale.log"
-exit "${PIPESTATUS[0]}"
+status=0
+
+scale() {  # scale TAG SETTING [scale.py args]
+  local tag=$1 setting=$2
+  shift 2
+  echo "== scale$tag: $setting $*"
+  timeout "${LIMIT:-300}" torchrun --standalone --nproc-per-node "$gpus" bench/scale.py --settings "$setting" \
+    --steps 1 --warmup 1 --tag="$tag" --out "$out" "$@" 2>&1 | grep -v "Warning\|_warn_once" | tee "$out/scale$tag.log"
+  status=$(( status || PIPESTATUS[0] ))
+}
+
+for part in ${*:-fsdp sp}; do
+  case $part in
+    fsdp) scale -64k-full fsdp --accum 2 --recompute full
+          scale -64k-attention fsdp --accum 2 --recompute attention --profile
+          scale -64k-attention-unsorted fsdp --accum 2 --recompute attention --no-reorder
+          scale -64k-fox fox-fsdp --accum 2 --recompute attention ;;
+    sp) scale -sp sp --sp-seq "${SP_SEQ:-262144}" --recompute full
+        scale -sp-fox fox-sp --sp-seq "${SP_SEQ:-262144}" --recompute full ;;
+    offload) scale -sp-offload sp --sp-seq "${OFFLOAD_SEQ:-524288}" --recompute full --offload ;;
+    *) echo "unknown part $part (fsdp, sp, offload)"; status=1 ;;
+  esac
+done
+exit $status

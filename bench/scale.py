@@ -7,14 +7,18 @@ Launch with torchrun, one process per GPU:
     torchrun --standalone --nproc-per-node 2 bench/scale.py --out bench/results
 
 Settings (--settings):
-  fsdp       Llama-3-8B shape, --fsdp-seq tokens (64K) per sequence, one sequence per rank per
-             step, FSDP2 over all ranks (ProLong stage 1's layout)
+  fsdp       Llama-3-8B shape, --fsdp-seq tokens (64K) per sequence, --accum sequences per rank
+             per step, FSDP2 over all ranks (ProLong stage 1's layout)
   sp         --sp-seq tokens (512K) per sequence, Ulysses over all ranks (ProLong stage 2: SP 8)
   fox-fsdp   the FoX (Pro) variant of the same shape (no RoPE), the `fox` kernel with ACP
   fox-sp     the same with sequence parallelism
 --offload keeps parameters, gradients and optimizer state in host memory (FSDP2 CPU offload).
 Data: generated packed sequences (random tokens): documents with lengths drawn log-uniformly
-between 1K tokens and the sequence length, the last one cut to fit. The FoX variant's forget
+between 1K tokens and the sequence length, the last one cut to fit. A step's sequences are dealt to
+the ranks as the training loop deals them: sorted by attention cost (the sum of squared document
+lengths), so that the sequences ranks run side by side cost about the same (ProLong's minibatch
+reordering; --no-reorder deals them as generated, and with --accum 1 gives each rank its own
+draw, which leaves the faster rank waiting at every collective). The FoX variant's forget
 gates are at their initialisation (biases spread over 1..6 per layer), so ACP prunes what those
 gates allow, which is less than trained gates would.
 Reported per setting: tokens/s/GPU, MFU (over the datasheet peak and over the measured bf16
@@ -27,6 +31,7 @@ tokens/s/GPU (full attention) and 3095 (variable-length attention + minibatch re
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 from pathlib import Path
@@ -35,10 +40,10 @@ import torch
 
 from longctx.model.attention import available
 from longctx.model.recompute import MODES
-from longctx.perf import measure, prepared, write_result
-from longctx.train.loop import Batch, packed_batch
+from longctx.perf import measure, prepared, profile, write_result
+from longctx.train.loop import Batch, packed_batch, schedule
 from longctx.train.models import preset
-from longctx.train.parallel import close, init, with_sequence_parallel
+from longctx.train.parallel import Parallel, close, init, with_sequence_parallel
 
 PROLONG_8B_64K = {"full attention": 2770, "variable-length + reordering": 3095}
 
@@ -54,13 +59,31 @@ def documents(seq: int, seed: int, shortest: int = 1024) -> torch.Tensor:
     return torch.tensor(bounds, dtype=torch.int32)
 
 
-def batch(seq: int, vocab: int, step: int, replica: int, device: torch.device) -> Batch:
-    """Replica `replica`'s sequence at `step`: the same on every rank of a sequence-parallel group
-    and in a single-process run of replica 0."""
-    seed = 1_000 * step + replica
-    cu = documents(seq, seed)
-    ids = torch.randint(0, vocab, (seq,), generator=torch.Generator().manual_seed(seed))
-    return packed_batch(ids, cu, device, [seed])
+def step_batches(seq: int, vocab: int, step: int, accum: int, par: Parallel, reorder: bool) -> list[Batch]:
+    """This rank's micro-batches of one step, one sequence each: `accum` per data-parallel replica
+    (the same on every rank of a sequence-parallel group), dealt as the training loop deals them
+    (`schedule`: sorted by attention cost, so the ranks' side-by-side micro-batches cost about the
+    same, ProLong's reordering) or, without `reorder`, in the order generated."""
+    seeds = [1_000 * step + j for j in range(accum * par.dp)]
+    bounds = {s: documents(seq, s) for s in seeds}
+    if reorder:
+        costs = [int(((bounds[s][1:] - bounds[s][:-1]).long() ** 2).sum()) for s in seeds]
+        mine = [m[0] for m in schedule(seeds, costs, 1, par.dp)[par.dp_rank]]
+    else:
+        mine = seeds[par.dp_rank * accum:(par.dp_rank + 1) * accum]
+    return [packed_batch(torch.randint(0, vocab, (seq,), generator=torch.Generator().manual_seed(s)), bounds[s],
+                         par.device, [s]) for s in mine]
+
+
+def profiled(run, micro: list[Batch], par: Parallel) -> list[dict]:
+    """One more step under torch.profiler on every rank: each rank's kernel ms by kind, and the
+    time its GPU idled (on FSDP, mostly waiting for a slower rank's collective)."""
+    mine = {k: v for k, v in profile(run, micro).items() if k in ("wall_ms", "kernel_ms", "by_kind_ms", "idle_ms")}
+    if not par.distributed:
+        return [mine]
+    every: list = [None] * par.world
+    torch.distributed.all_gather_object(every, mine)
+    return every
 
 
 def run_setting(name: str, args, base_par) -> dict:
@@ -72,13 +95,17 @@ def run_setting(name: str, args, base_par) -> dict:
     backend = "fox" if fox and "fox" in available(par.device) else "auto"  # the interpreter's in the CPU test
     row = {"setting": name, "model": "FoX (Pro)" if fox else "Transformer", "shape": args.shape, "seq": seq,
            "world": par.world, "sp": sp, "recompute": args.recompute, "offload": args.offload,
-           "acp": backend == "fox", "docs": "generated, log-uniform 1K..seq"}
+           "acp": backend == "fox", "docs": "generated, log-uniform 1K..seq", "accum": args.accum,
+           "reorder": not args.no_reorder}
     try:
         run = prepared(cfg, par, compile=not args.no_compile, recompute=args.recompute, acp=backend == "fox",
                        offload=args.offload, backend=backend)
         row["compiled"] = run.cfg.compile and par.device.type == "cuda"
-        row.update(measure(run, lambda i: [batch(seq, cfg.vocab_size, i, par.dp_rank, par.device)],
-                           args.steps, args.warmup))
+        batches = functools.partial(step_batches, seq, cfg.vocab_size, accum=args.accum, par=par,
+                                    reorder=not args.no_reorder)
+        row.update(measure(run, batches, args.steps, args.warmup))
+        if args.profile and par.device.type == "cuda":
+            row["profile_by_rank"] = profiled(run, batches(10_000), par)
     except torch.OutOfMemoryError:
         row["error"] = "out of memory"
         if par.device.type == "cuda":
@@ -126,6 +153,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--recompute", default="full", choices=MODES, help="activation checkpointing per block")
+    ap.add_argument("--accum", type=int, default=1, help="sequences per data-parallel rank per optimizer step")
+    ap.add_argument("--no-reorder", action="store_true", help="deal a step's sequences to ranks in the order "
+                    "generated, not sorted by attention cost as the training loop deals them")
+    ap.add_argument("--profile", action="store_true", help="one more step under torch.profiler per setting: "
+                    "each rank's kernel time by kind and idle time")
     ap.add_argument("--offload", action="store_true", help="FSDP2 CPU offload of parameters, gradients, optimizer")
     ap.add_argument("--no-compile", action="store_true", help="eager blocks (compiled is the default on CUDA)")
     ap.add_argument("--tag", default="", help="appended to the result file's name")

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import REPO
 
-ARGS = ["bench/scale.py", "--shape", "tiny", "--fsdp-seq", "1024", "--sp-seq", "2048", "--steps", "1",
+ARGS = ["bench/scale.py", "--shape", "tiny", "--fsdp-seq", "1024", "--sp-seq", "2048", "--steps", "1", "--accum", "2",
         "--warmup", "1"]
 
 
@@ -49,3 +49,26 @@ def test_two_ranks_report_every_setting_and_match_one_process(tmp_path):
     shown = subprocess.run([sys.executable, "bench/scale.py", "--compare", *map(str, tmp_path.glob("*/scale-*.json"))],
                            cwd=REPO, capture_output=True, text=True, check=True).stdout
     assert "efficiency" in shown and "fox-fsdp" in shown
+
+
+def test_a_steps_sequences_are_dealt_by_attention_cost():
+    sys.path.insert(0, str(REPO / "bench"))
+    from scale import step_batches
+
+    from longctx.train.parallel import Parallel
+
+    def cost(b):
+        return int(((b.cu_seqlens[1:] - b.cu_seqlens[:-1]).long() ** 2).sum())
+
+    for reorder in (True, False):
+        ranks = [step_batches(65536, 100, 2, 3, Parallel(rank=r, world=2), reorder) for r in range(2)]
+        seeds = sorted(b.samples[0] for rank in ranks for b in rank)
+        assert seeds == list(range(2000, 2006))  # every sequence of the step once, 3 per rank
+        if reorder:  # side by side, the cheaper ones first: each pair neighbours in cost order
+            costs = sorted(cost(b) for rank in ranks for b in rank)
+            for k in range(3):
+                assert sorted((cost(ranks[0][k]), cost(ranks[1][k]))) == costs[2 * k:2 * k + 2]
+        else:
+            assert [b.samples[0] for b in ranks[1]] == [2003, 2004, 2005]
+    # one sequence per rank, as generated: replica r's draw is seed 1000 * step + r
+    assert step_batches(4096, 100, 5, 1, Parallel(rank=1, world=2), False)[0].samples == [5001]

@@ -6,8 +6,11 @@ its value without gradients, and the new training keys are validated."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from longctx import config
 from longctx.config import ModelParams
@@ -79,7 +82,7 @@ LAYOUTS = ([0, 50, 128], [0, 30, 90, 128], [0, 10, 20, 100, 128])
 
 
 @pytest.mark.parametrize("arch", ["llama", "fox"])
-@pytest.mark.parametrize("mode", ["full", "selective"])
+@pytest.mark.parametrize("mode", ["full", "selective", "attention"])
 def test_recomputation_gives_the_same_loss_and_gradients(arch, mode):
     plain, recomputed = twins(arch)
     recomputed.recompute = mode
@@ -90,7 +93,38 @@ def test_recomputation_gives_the_same_loss_and_gradients(arch, mode):
             torch.testing.assert_close(x, y, rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("arch,mode", [("llama", "none"), ("llama", "full"), ("fox", "selective")])
+class OpCounts(TorchDispatchMode):
+    """How often each operator ran (what a recomputation policy replays shows up twice)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[str(func.overloadpacket.__name__)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("arch,attention_op", [("llama", "_scaled_dot_product_flash_attention_for_cpu"),
+                                               ("fox", "fox_forward")])
+def test_attention_recomputation_replays_all_but_attention(arch, attention_op):
+    counts = {}
+    for mode in ("none", "full", "attention"):
+        torch.manual_seed(0)
+        model = build(small(arch), "fox" if arch == "fox" else "sdpa")
+        model.recompute = mode
+        with OpCounts() as ops:
+            step(model, [0, 128], 0)  # one document: one attention call per block
+        counts[mode] = ops.counts
+    blocks = small(arch).n_layers
+    assert counts["none"][attention_op] == counts["attention"][attention_op] == blocks
+    assert counts["full"][attention_op] == 2 * blocks
+    # everything else is replayed as in full: the projections' matmuls run again
+    assert counts["attention"]["mm"] == counts["full"]["mm"] > counts["none"]["mm"]
+
+
+@pytest.mark.parametrize("arch,mode", [("llama", "none"), ("llama", "full"), ("fox", "selective"),
+                                       ("llama", "attention")])
 def test_compiled_blocks_match_eager_and_stop_recompiling(arch, mode):
     eager, compiled = twins(arch)
     eager.recompute = compiled.recompute = mode

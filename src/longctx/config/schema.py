@@ -217,8 +217,9 @@ class RunParams(Strict):
     keep_last: PositiveInt = 2
     loss_chunk: PositiveInt = 2048
     activation_checkpointing: Recompute = "none"
-    """Per block: none, full (recompute the block in the backward) or selective (keep matmul and
-    attention outputs, recompute the elementwise work)."""
+    """Per block: none, full (recompute the block in the backward), selective (keep matmul and
+    attention outputs, recompute the elementwise work) or attention (full, but attention's output
+    kept: its forward is not run twice)."""
     compile: bool = True
     """torch.compile each block and the loss on CUDA (CPU runs stay eager)."""
     offload: bool = False

@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 RopeType = Literal["default", "linear", "dynamic", "yarn", "llama3", "longrope"]
-Recompute = Literal["none", "full", "selective"]
+Recompute = Literal["none", "full", "selective", "attention"]
 """Activation checkpointing of a block (model/recompute.py)."""
 
 

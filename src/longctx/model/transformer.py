@@ -280,7 +280,7 @@ class Transformer(nn.Module):
 
     @property
     def recompute(self) -> Recompute:
-        """Activation checkpointing of every block: 'none', 'full' or 'selective'."""
+        """Activation checkpointing of every block: one of recompute.MODES."""
         return self.layers[0].recompute
 
     @recompute.setter

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from ..model.recompute import PER_OPERATOR
 from ..model.transformer import Transformer
 
 
@@ -16,10 +17,10 @@ def compile_blocks(model: Transformer, backend: str = "inductor", fullgraph: boo
     reproducible; tests pass another `backend`), after
     `model.recompute` is set. Full recomputation checkpoints the compiled block body from outside:
     inside the graph the partitioner kept more than the block's input (8B, SP 2, 131K tokens:
-    116.8 GiB per GPU against 82.3 eager). Selective recomputation must see each operator, so the
-    checkpoint goes inside the graph with it."""
+    116.8 GiB per GPU against 82.3 eager). Per-operator recomputation (selective, attention) must
+    see each operator, so the checkpoint goes inside the graph with it."""
     for block in model.layers:
-        if block.recompute == "selective":
+        if block.recompute in PER_OPERATOR:
             block.forward = torch.compile(block.forward, backend=backend, fullgraph=fullgraph)
         else:
             block._residual = torch.compile(block._residual, backend=backend, fullgraph=fullgraph)
