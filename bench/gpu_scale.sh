@@ -3,10 +3,10 @@
 # GPU, at the Llama-3-8B shape (carry .whl: pydantic). JSON (written after every setting) and one
 # log per run go to $OUT (or bench/results). Each run is cut at $LIMIT seconds (default 300) so
 # one that hangs cannot take the others' time.
-#   bash bench/gpu_scale.sh [fsdp] [sp] [offload]     (default: fsdp sp)
+#   bash bench/gpu_scale.sh [fsdp] [unsorted] [sp] [offload]     (default: fsdp unsorted sp)
 # fsdp:    64K tokens per sequence, FSDP2 over all GPUs, 2 sequences per rank per step dealt by
-#          attention cost: full recomputation; attention recomputation (profiled); attention
-#          recomputation with the sequences dealt as generated; FoX (Pro) + ACP
+#          attention cost: full recomputation; attention recomputation (profiled); FoX (Pro) + ACP
+# unsorted: attention recomputation with the sequences dealt as generated
 # sp:      Ulysses over all GPUs at $SP_SEQ tokens (default 262144), full recomputation:
 #          Transformer and FoX (Pro) + ACP
 # offload: the Transformer at $OFFLOAD_SEQ tokens (default 524288) with sequence parallelism and
@@ -28,16 +28,16 @@ scale() {  # scale TAG SETTING [scale.py args]
   status=$(( status || PIPESTATUS[0] ))
 }
 
-for part in ${*:-fsdp sp}; do
+for part in ${*:-fsdp unsorted sp}; do
   case $part in
     fsdp) scale -64k-full fsdp --accum 2 --recompute full
           scale -64k-attention fsdp --accum 2 --recompute attention --profile
-          scale -64k-attention-unsorted fsdp --accum 2 --recompute attention --no-reorder
           scale -64k-fox fox-fsdp --accum 2 --recompute attention ;;
+    unsorted) scale -64k-attention-unsorted fsdp --accum 2 --recompute attention --no-reorder ;;
     sp) scale -sp sp --sp-seq "${SP_SEQ:-262144}" --recompute full
         scale -sp-fox fox-sp --sp-seq "${SP_SEQ:-262144}" --recompute full ;;
     offload) scale -sp-offload sp --sp-seq "${OFFLOAD_SEQ:-524288}" --recompute full --offload ;;
-    *) echo "unknown part $part (fsdp, sp, offload)"; status=1 ;;
+    *) echo "unknown part $part (fsdp, unsorted, sp, offload)"; status=1 ;;
   esac
 done
 exit $status
