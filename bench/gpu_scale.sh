@@ -3,14 +3,16 @@
 # GPU, at the Llama-3-8B shape (carry .whl: pydantic). JSON (written after every setting) and one
 # log per run go to $OUT (or bench/results). Each run is cut at $LIMIT seconds (default 300) so
 # one that hangs cannot take the others' time.
-#   bash bench/gpu_scale.sh [fsdp] [unsorted] [sp] [offload]     (default: fsdp unsorted sp)
+#   bash bench/gpu_scale.sh [fsdp] [unsorted] [sp] [steady] [fit]    (default: fsdp unsorted sp)
 # fsdp:    64K tokens per sequence, FSDP2 over all GPUs, 2 sequences per rank per step dealt by
 #          attention cost: full recomputation; attention recomputation (profiled); FoX (Pro) + ACP
 # unsorted: attention recomputation with the sequences dealt as generated
 # sp:      Ulysses over all GPUs at $SP_SEQ tokens (default 262144), full recomputation:
 #          Transformer and FoX (Pro) + ACP
-# offload: the Transformer at $OFFLOAD_SEQ tokens (default 524288) with sequence parallelism and
-#          FSDP2 CPU offload
+# steady:  fsdp's attention row over 3 steps queued and 3 isolated (a step's cost follows its
+#          documents: one step is a sample of one draw)
+# fit:     one step each (--fit): the Transformer with sequence parallelism at $FIT_SEQ tokens
+#          (default 393216) and, with FSDP2 CPU offload, at $OFFLOAD_SEQ (default 524288)
 set -uo pipefail
 out=${OUT:-bench/results}
 mkdir -p "$out"
@@ -36,8 +38,10 @@ for part in ${*:-fsdp unsorted sp}; do
     unsorted) scale -64k-attention-unsorted fsdp --accum 2 --recompute attention --no-reorder ;;
     sp) scale -sp sp --sp-seq "${SP_SEQ:-262144}" --recompute full
         scale -sp-fox fox-sp --sp-seq "${SP_SEQ:-262144}" --recompute full ;;
-    offload) scale -sp-offload sp --sp-seq "${OFFLOAD_SEQ:-524288}" --recompute full --offload ;;
-    *) echo "unknown part $part (fsdp, unsorted, sp, offload)"; status=1 ;;
+    steady) scale -64k-attention-steady fsdp --accum 2 --recompute attention --steps 3 ;;
+    fit) scale -sp-fit sp --sp-seq "${FIT_SEQ:-393216}" --recompute full --fit
+         scale -sp-fit-offload sp --sp-seq "${OFFLOAD_SEQ:-524288}" --recompute full --offload --fit ;;
+    *) echo "unknown part $part (fsdp, unsorted, sp, steady, fit)"; status=1 ;;
   esac
 done
 exit $status

@@ -40,7 +40,7 @@ import torch
 
 from longctx.model.attention import available
 from longctx.model.recompute import MODES
-from longctx.perf import measure, prepared, profile, write_result
+from longctx.perf import measure, peak_memory, prepared, profile, write_result
 from longctx.train.loop import Batch, packed_batch, schedule
 from longctx.train.models import preset
 from longctx.train.parallel import Parallel, close, init, with_sequence_parallel
@@ -103,11 +103,17 @@ def run_setting(name: str, args, base_par) -> dict:
         row["compiled"] = run.cfg.compile and par.device.type == "cuda"
         batches = functools.partial(step_batches, seq, cfg.vocab_size, accum=args.accum, par=par,
                                     reorder=not args.no_reorder)
-        row.update(measure(run, batches, args.steps, args.warmup))
+        if args.fit:
+            seconds, loss = run.step(batches(0))
+            row.update(fits=True, first_step_s=round(seconds, 2), losses=[loss], **peak_memory(par))
+        else:
+            row.update(measure(run, batches, args.steps, args.warmup))
         if args.profile and par.device.type == "cuda":
             row["profile_by_rank"] = profiled(run, batches(10_000), par)
     except torch.OutOfMemoryError:
         row["error"] = "out of memory"
+        if args.fit:
+            row["fits"] = False
         if par.device.type == "cuda":
             row["peak_memory_gib"] = round(torch.cuda.max_memory_allocated(par.device) / 2**30, 2)
     run = None
@@ -156,6 +162,8 @@ def main() -> None:
     ap.add_argument("--accum", type=int, default=1, help="sequences per data-parallel rank per optimizer step")
     ap.add_argument("--no-reorder", action="store_true", help="deal a step's sequences to ranks in the order "
                     "generated, not sorted by attention cost as the training loop deals them")
+    ap.add_argument("--fit", action="store_true", help="one step only: does the setting fit in memory, and "
+                    "its peak (for the longest sequence that fits)")
     ap.add_argument("--profile", action="store_true", help="one more step under torch.profiler per setting: "
                     "each rank's kernel time by kind and idle time")
     ap.add_argument("--offload", action="store_true", help="FSDP2 CPU offload of parameters, gradients, optimizer")
@@ -186,7 +194,7 @@ def main() -> None:
         print(f"{'setting':<9} {'seq':>7} {'sp':>3} {'tokens/s/GPU':>13} {'MFU':>6} {'MFU/790':>7} {'peak GiB':>9} "
               f"{'pruned':>7} {'1st s':>6}")
         for r in rows:
-            speed = r.get("tokens_per_s_per_gpu", r.get("error", "-"))
+            speed = r.get("tokens_per_s_per_gpu", r.get("error", "fits" if r.get("fits") else "-"))
             print(f"{r['setting']:<9} {r['seq']:>7} {r['sp']:>3} {speed:>13} {r.get('mfu', '-'):>6} "
                   f"{r.get('mfu_matmul_ceiling', '-'):>7} {r.get('peak_memory_gib', '-'):>9} "
                   f"{r.get('acp_pruned_fraction', '-'):>7} {r.get('first_step_s', '-'):>6}")

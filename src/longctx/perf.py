@@ -113,13 +113,18 @@ def measure(run: Run, batches, steps: int, warmup: int = 2) -> dict:
         peak = peak_flops(run.par.device) if table is None else peak_flops(run.par.device, table)
         if peak:
             out[key] = round(flops / seconds / peak / run.par.world, 4)
-    if run.par.device.type == "cuda":
-        out["peak_memory_gib"] = round(run.par.sum(torch.cuda.max_memory_allocated(run.par.device))
-                                       / run.par.world / 2**30, 2)
+    out.update(peak_memory(run.par))
     if run.model.acp is not None:
         out["acp_pruned_fraction"] = round(run.par.sum(run.model.acp.stats.pruned_fraction() or 0.0)
                                            / run.par.world, 4)
     return out
+
+
+def peak_memory(par: Parallel) -> dict:
+    """The mean over ranks of each one's peak GPU memory (nothing on a CPU)."""
+    if par.device.type != "cuda":
+        return {}
+    return {"peak_memory_gib": round(par.sum(torch.cuda.max_memory_allocated(par.device)) / par.world / 2**30, 2)}
 
 
 KINDS = [("attention", ("flash", "fmha", "attn", "cudnn", "_fwd_kernel", "_dq_kernel", "_dkdv_kernel",
