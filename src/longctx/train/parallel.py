@@ -77,13 +77,15 @@ def launched() -> bool:
 
 def init() -> Parallel:
     """Join the process group torchrun set up (NCCL on GPUs, gloo on CPU); a single process
-    without torchrun. Each rank takes the GPU of its local rank."""
+    without torchrun. Each rank takes the GPU of its local rank. On GPUs the group also has gloo
+    for host tensors: with CPU offload the gradients live in host memory and clipping reduces
+    their norm there (NCCL alone: "No backend type associated with device type cpu")."""
     if not launched() or int(os.environ["WORLD_SIZE"]) == 1:
         return Parallel(device=torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
-        backend = "nccl"
+        backend = "cuda:nccl,cpu:gloo"
     else:
         device, backend = torch.device("cpu"), "gloo"
     if not dist.is_initialized():
