@@ -26,7 +26,7 @@ scale() {  # scale TAG SETTING [scale.py args]
   shift 2
   echo "== scale$tag: $setting $*"
   timeout "${LIMIT:-300}" torchrun --standalone --nproc-per-node "$gpus" bench/scale.py --settings "$setting" \
-    --steps 1 --warmup 1 --tag="$tag" --out "$out" "$@" 2>&1 | grep -v "Warning\|_warn_once" | tee "$out/scale$tag.log"
+    --steps 1 --warmup 1 --tag="$tag" --out "$out" "$@" 2>&1 | grep --line-buffered -v "Warning\|_warn_once" | tee "$out/scale$tag.log"
   status=$(( status || PIPESTATUS[0] ))
 }
 

@@ -159,7 +159,7 @@ def test_training_keys_are_validated():
     cfg = config.resolve({"profile": "tiny", "train": {"base": {"activation_checkpointing": "selective",
                                                                 "compile": False, "offload": False}}})
     assert cfg.train.base.activation_checkpointing == "selective" and cfg.train.base.compile is False
-    assert config.resolve({"profile": "prolong-64k"}).train.pretrain.stages[0].activation_checkpointing == "full"
+    assert config.resolve({"profile": "prolong-64k"}).train.pretrain.stages[0].activation_checkpointing == "attention"
     with pytest.raises(ConfigError, match="activation_checkpointing"):
         config.resolve({"profile": "tiny", "train": {"base": {"activation_checkpointing": True}}})
 
