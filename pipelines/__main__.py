@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from longctx.eval.report import length_means
+from longctx.eval.report import BEYOND, beyond, length_means
 
 # without a Prefect server, the flow starts a temporary one; a loaded 2-core machine needs longer
 # than the default 20 s, and telemetry is of no use here
@@ -30,8 +30,8 @@ def summary(ws: Path) -> str:
             "short ppl"]
     rows = [head]
     for ckpt, by_task in ev["tasks"].items():
-        cells = [ckpt, *(f"{by_task[t][str(n)]:.2f}" if str(n) in by_task.get(t, {}) else "-"
-                         for n in lengths for t in tasks)]
+        cells = [ckpt, *(f"{by_task[t][str(n)]:.2f}{BEYOND if beyond(ev, ckpt, n) else ''}"
+                         if str(n) in by_task.get(t, {}) else "-" for n in lengths for t in tasks)]
         ppl, needle = ev["ppl_by_length"].get(ckpt, {}), ev["needle_ppl"].get(ckpt, {})
         top = max(ppl, key=int) if ppl else None
         cells += [f"{ppl[top]:.1f}" if top else "n/a", f"{needle[top]:.1f}" if top in needle else "n/a",
@@ -40,6 +40,8 @@ def summary(ws: Path) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     table = "\n".join("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
                       for r in rows)
+    if any(beyond(ev, c, n) for c in ev["tasks"] for n in lengths):
+        table += f"\n{BEYOND} beyond the checkpoint's window (the length it was trained to)"
     longest = lengths[-1] if lengths else None
     scored = {c: by[longest] for c, by in means.items() if longest in by}
     if not scored:

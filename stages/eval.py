@@ -73,6 +73,8 @@ def run(cfg: Params, root: Path) -> None:
             speed = results["throughput"][name]
             tracker.metrics({f"{name}.{t}.{n}": v for t, by in results["tasks"][name].items() for n, v in by.items()})
             tracker.metrics({f"{name}.{k}": speed[k] for k in ("prompts_per_s", "tokens_per_s")})
+            if windows[name].length is not None:  # scores at lengths above it were measured beyond the window
+                tracker.metrics({f"{name}.window": windows[name].length})
         write_outputs(results, rows_all, position_rows)
         for f in ("scores.csv", "position_loss.csv", "score_vs_length.png", "position_loss.png", "niah_heatmap.png"):
             tracker.artifact(PLOT_DIR / f)
@@ -92,9 +94,9 @@ def write_outputs(results: dict, rows: list[dict], position_rows: list[dict]) ->
     write_csv(PLOT_DIR / "position_loss.csv", position_rows)
     from longctx.eval.plots import niah_heatmap, position_loss, score_vs_length
 
-    score_vs_length(results["tasks"], PLOT_DIR / "score_vs_length.png")
+    score_vs_length(results["tasks"], PLOT_DIR / "score_vs_length.png", results["windows"])
     position_loss(position_rows, PLOT_DIR / "position_loss.png")
-    niah_heatmap(rows, PLOT_DIR / "niah_heatmap.png")
+    niah_heatmap(rows, PLOT_DIR / "niah_heatmap.png", results["windows"])
 
 
 if __name__ == "__main__":

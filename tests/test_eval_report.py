@@ -69,8 +69,9 @@ def test_windows_refuse_bad_checkpoints_and_lengths(small_project, tok, tmp_path
         save_native(m, tmp_path / name)
     folders = {n: tmp_path / n for n in ("short", "long")}
     tok_folder = small_project / TOKENIZER
-    assert suite.windows(folders, tok, tok_folder, [256, 512]) == {"short": 256, "long": 512}
-    assert suite.windows({"nope": tmp_path / "nope"}, tok, tok_folder, [4096]) == {"nope": None}  # no RoPE, no limit
+    assert suite.windows(folders, tok, tok_folder, [256, 512]) == {"short": (256, False), "long": (512, False)}
+    # no RoPE, no limit
+    assert suite.windows({"nope": tmp_path / "nope"}, tok, tok_folder, [4096]) == {"nope": (None, False)}
     with pytest.raises(ConfigError,
                        match=r"eval.lengths: \[1024\] exceed every checkpoint's window \(the longest is 512"):
         suite.windows(folders, tok, tok_folder, [256, 1024])
@@ -155,10 +156,13 @@ def test_evaluate_one_checkpoint(small_project, tok, long_val, tmp_path):
                     position_sequences=2, needle_sequences=2, retention_sequences=4)
     results = report.empty_results()
     rows, curve = suite.evaluate(results, "base", model, tmp_path, suite.Encoder(tok, chat=False), ec, long_val,
-                                 haystack, 256, short)
-    assert results["skipped"] == [{"checkpoint": "base", "length": 512, "reason": "beyond the checkpoint's window 256"}]
-    assert [(r["checkpoint"], r["task"], r["length"]) for r in rows] == [("base", "passkey", 256),
-                                                                          ("base", "niah_single_noise", 256)]
+                                 haystack, suite.Window(256), short)
+    assert results["skipped"] == [] and results["windows"] == {"base": 256}
+    # also beyond the window (RoPE runs there), marked in the table
+    assert [(r["task"], r["length"]) for r in rows] == [("passkey", 256), ("niah_single_noise", 256),
+                                                         ("passkey", 512), ("niah_single_noise", 512)]
+    assert [c.endswith(report.BEYOND) for c in report.comparison(results).splitlines()[2].split(" | ")[1:3]] == [
+        False, True]
     assert results["tasks"]["base"] == report.mean_scores(rows)
     assert results["throughput"]["base"]["prompts_per_s"] > 0 and results["throughput"]["base"]["tokens_per_s"] > 0
     assert list(results["ppl_by_length"]["base"]) == [256, 512, 2048]  # perplexity goes beyond the window

@@ -35,6 +35,21 @@ def test_coinciding_score_lines_stay_visible_and_say_so():
     assert abs(lines[0].get_xdata()[0] / 512 - 1) < 0.05
 
 
+def test_scores_beyond_a_window_are_marked():
+    rows = [{"task": "niah_single_noise", "checkpoint": c, "length": n, "depth": 0.5, "score": 1.0}
+            for c in ("base", "pretrain") for n in (512, 2048)]
+    fig = niah_figure(rows, {"base": 512, "pretrain": 2048})
+    assert sorted(t.get_text() for t in fig.axes[0].texts) == ["1.00", "1.00*"]  # base at 2048: beyond 512
+    assert sorted(t.get_text() for t in fig.axes[1].texts) == ["1.00", "1.00"]
+    assert "beyond" in fig.axes[0].get_title() and "beyond" not in fig.axes[1].get_title()
+    scores = {"base": {"task_a": {512: 1.0, 2048: 0.0}}, "pretrain": {"task_a": {512: 1.0, 2048: 1.0}}}
+    lines = score_figure(scores, {"base": 512, "pretrain": 2048}).axes[0].get_lines()
+    hollow = [ln for ln in lines if ln.get_markerfacecolor() == "white" and len(ln.get_xdata())]
+    assert len(hollow) == 1 and hollow[0].get_ydata()[0] == 0.0  # base's 2048 point only
+    assert lines[-1].get_label() == "hollow: beyond the checkpoint's window"
+    assert all("hollow" not in ln.get_label() for ln in score_figure(scores).axes[0].get_lines())
+
+
 def test_factor_plot_says_when_the_search_equals_a_baseline():
     space = Space(16, 10000.0, 256, 1024)
     ntk = [1.0 + i for i in range(8)]

@@ -83,9 +83,14 @@ def run_tags(root: Path, stage: str) -> dict[str, str]:
     return tags
 
 
+EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
+"""MLflow 3 opens an experiment without this tag in its GenAI view (an empty traces page); with
+it, in the model-training view (runs, charts)."""
+
+
 def experiment_id(cfg: TrackingParams, root: Path) -> str:
     """The configured experiment in the configured store, made on first use with its artifacts in
-    the workspace's mlartifacts/."""
+    the workspace's mlartifacts/, marked as model training (EXPERIMENT_KIND)."""
     import mlflow
 
     mlflow.set_tracking_uri(tracking_uri(cfg, root))
@@ -93,7 +98,7 @@ def experiment_id(cfg: TrackingParams, root: Path) -> str:
     if exp is not None:
         return exp.experiment_id
     store = workspace_root(root) / "mlartifacts"
-    return mlflow.create_experiment(cfg.experiment, artifact_location=store.resolve().as_uri())
+    return mlflow.create_experiment(cfg.experiment, artifact_location=store.resolve().as_uri(), tags=EXPERIMENT_KIND)
 
 
 @contextlib.contextmanager

@@ -30,8 +30,25 @@ class Strict(BaseModel):
 BuiltinName = Literal["stdlib_repos", "stdlib_books", "stdlib_short", "stdlib_sft"]
 
 
+class SyntheticParams(Strict):
+    """Generated retrieval documents (data/synthetic.py), each ending with its question and
+    answer; lengths log-uniform between the bounds, in characters (the tokenizer is trained
+    after the corpora)."""
+
+    formats: list[Literal["passkey", "kv", "multikey"]] = Field(default_factory=lambda: ["passkey", "kv", "multikey"],
+                                                                  min_length=1)
+    min_chars: PositiveInt = 1000
+    max_chars: PositiveInt = 30000
+
+    @model_validator(mode="after")
+    def _ordered(self) -> SyntheticParams:
+        if self.min_chars > self.max_chars:
+            raise ValueError(f"min_chars {self.min_chars} is above max_chars {self.max_chars}")
+        return self
+
+
 class SourceParams(Strict):
-    """Where one stream of documents comes from: exactly one of path, hub, builtin."""
+    """Where one stream of documents comes from: exactly one of path, hub, builtin, synthetic."""
 
     path: str | None = None
     """Local file or directory of .txt/.md (one document per file), .jsonl or .parquet."""
@@ -39,6 +56,8 @@ class SourceParams(Strict):
     """A `datasets` hub id (or a local dataset directory), read with streaming."""
     builtin: BuiltinName | None = None
     """Real text every Python install has (the offline `tiny` profile)."""
+    synthetic: SyntheticParams | None = None
+    """Generated retrieval documents (needs max_docs or max_bytes: the stream does not end)."""
     name: str | None = None
     split: str = "train"
     text_field: str = "text"
@@ -59,9 +78,11 @@ class SourceParams(Strict):
 
     @model_validator(mode="after")
     def _one_origin(self) -> SourceParams:
-        given = [k for k in ("path", "hub", "builtin") if getattr(self, k) is not None]
+        given = [k for k in ("path", "hub", "builtin", "synthetic") if getattr(self, k) is not None]
         if len(given) != 1:
-            raise ValueError(f"give exactly one of path, hub, builtin (got {given or 'none'})")
+            raise ValueError(f"give exactly one of path, hub, builtin, synthetic (got {given or 'none'})")
+        if self.synthetic is not None and self.max_docs is None and self.max_bytes is None:
+            raise ValueError("a synthetic source needs max_docs or max_bytes (it generates without end)")
         if self.header_field and not self.group_by:
             raise ValueError("header_field needs group_by")
         if self.hub is None and (self.filter or self.group_by or self.name):

@@ -15,7 +15,7 @@ from typing import Any
 
 from ..config import SourceParams
 from ..errors import DataError
-from . import builtin
+from . import builtin, synthetic
 
 LOCAL_TEXT = {".txt", ".md", ".rst"}
 LOCAL_SUFFIXES = LOCAL_TEXT | {".jsonl", ".parquet"}
@@ -42,6 +42,8 @@ def describe(spec: SourceParams) -> str:
         return f"path {spec.path}"
     if spec.hub is not None:
         return f"hub {spec.hub}" + (f" ({spec.name})" if spec.name else "")
+    if spec.synthetic is not None:
+        return f"synthetic {'/'.join(spec.synthetic.formats)}"
     return f"builtin {spec.builtin}" + (f" ({spec.part})" if spec.part else "")
 
 
@@ -51,6 +53,8 @@ def iter_docs(spec: SourceParams, kind: str, seed: int, invalid_utf8: str) -> It
         docs = _local(Path(spec.path), spec, kind, invalid_utf8)
     elif spec.hub is not None:
         docs = _hub(spec, kind, seed)
+    elif spec.synthetic is not None:
+        docs = _synthetic(spec, kind, seed)
     else:
         docs = _builtin(spec, kind, seed)
     return _budget(docs, spec)
@@ -92,6 +96,14 @@ def _builtin(spec: SourceParams, kind: str, seed: int) -> Iterator[Doc]:
         parts = sorted(p for n, p in makers if n == name and p)
         raise DataError(f"builtin {name}: unknown part {part!r} (choose from {parts})")
     for id_, text in makers[(name, part)]():
+        yield Doc(id_, text=text)
+
+
+def _synthetic(spec: SourceParams, kind: str, seed: int) -> Iterator[Doc]:
+    if kind == "sft":
+        raise DataError("synthetic: retrieval documents are plain text; they do not fit an sft domain")
+    syn = spec.synthetic
+    for id_, text in synthetic.documents(seed, syn.formats, syn.min_chars, syn.max_chars):
         yield Doc(id_, text=text)
 
 

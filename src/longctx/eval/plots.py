@@ -11,16 +11,19 @@ from ..plotting import finish, labels, pyplot, save
 MARKERS = "osD^vP*X"
 
 
-def score_vs_length(scores: dict[str, dict[str, dict[int, float]]], path: Path) -> None:
+def score_vs_length(scores: dict[str, dict[str, dict[int, float]]], path: Path,
+                    windows: dict[str, int | None] | None = None) -> None:
     """Mean score over tasks against context length, one line per checkpoint. Lines that would
     lie on top of each other stay visible: each checkpoint has its own marker and a small sideways
-    offset, and a checkpoint whose scores equal an earlier one's says so in the legend."""
-    save(score_figure(scores), path)
+    offset, and a checkpoint whose scores equal an earlier one's says so in the legend. Scores
+    beyond a checkpoint's window (`windows`: checkpoint -> trained length) have hollow markers."""
+    save(score_figure(scores, windows or {}), path)
 
 
-def score_figure(scores: dict[str, dict[str, dict[int, float]]]):
+def score_figure(scores: dict[str, dict[str, dict[int, float]]], windows: dict[str, int | None] | None = None):
     fig, ax = pyplot().subplots(figsize=(7, 4.2))
     seen: dict[tuple, str] = {}
+    hollow = False
     for i, (ckpt, by_task) in enumerate(scores.items()):
         lengths = sorted({n for by in by_task.values() for n in by})
         means = [float(np.mean([by[n] for by in by_task.values() if n in by])) for n in lengths]
@@ -28,7 +31,17 @@ def score_figure(scores: dict[str, dict[str, dict[int, float]]]):
         label = ckpt if key not in seen else f"{ckpt} (same as {seen[key]})"
         seen.setdefault(key, ckpt)
         shift = 2 ** (0.04 * (i - (len(scores) - 1) / 2))  # x is log2: a constant ratio is a constant offset
-        ax.plot([n * shift for n in lengths], means, marker=MARKERS[i % len(MARKERS)], alpha=0.85, label=label)
+        marker = MARKERS[i % len(MARKERS)]
+        (line,) = ax.plot([n * shift for n in lengths], means, marker=marker, alpha=0.85, label=label)
+        window = (windows or {}).get(ckpt)
+        out = [(n * shift, m) for n, m in zip(lengths, means, strict=True) if window is not None and int(n) > window]
+        if out:
+            hollow = True
+            ax.plot(*zip(*out, strict=True), linestyle="none", marker=marker, markerfacecolor="white",
+                    color=line.get_color(), zorder=line.get_zorder() + 1)
+    if hollow:
+        ax.plot([], [], linestyle="none", marker="o", markerfacecolor="white", color="grey",
+                label="hollow: beyond the checkpoint's window")
     ax.set_xscale("log", base=2)
     ax.set_ylim(-0.02, 1.02)
     labels(ax, "context length (tokens)", "mean task score", "Long-context tasks against length")
@@ -44,13 +57,14 @@ def position_loss(rows: list[dict], path: Path) -> None:
     finish(fig, ax, path, "token position", "loss (window mean)", "Loss by position")
 
 
-def niah_heatmap(rows: list[dict], path: Path) -> None:
+def niah_heatmap(rows: list[dict], path: Path, windows: dict[str, int | None] | None = None) -> None:
     """Single-needle (noise haystack) score by depth x length, one panel per checkpoint, each
-    cell's score written in it and the colour scale beside the panels."""
-    save(niah_figure(rows), path)
+    cell's score written in it (with a * beyond the checkpoint's window) and the colour scale
+    beside the panels."""
+    save(niah_figure(rows, windows or {}), path)
 
 
-def niah_figure(rows: list[dict]):
+def niah_figure(rows: list[dict], windows: dict[str, int | None] | None = None):
     cells = [r for r in rows if r["task"] == "niah_single_noise"]
     ckpts = list(dict.fromkeys(r["checkpoint"] for r in cells)) or ["none"]
     fig, axes = pyplot().subplots(1, len(ckpts), figsize=(3.2 * len(ckpts) + 0.8, 3.2), squeeze=False,
@@ -64,11 +78,14 @@ def niah_figure(rows: list[dict]):
             if r["checkpoint"] == ckpt:
                 grid[depths.index(r["depth"]), lengths.index(r["length"])] = r["score"]
         image = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        window = (windows or {}).get(ckpt)
         for (y, x), v in np.ndenumerate(grid):
-            ax.text(x, y, "-" if np.isnan(v) else f"{v:.2f}", ha="center", va="center", fontsize=7)
+            mark = "*" if window is not None and lengths[x] > window else ""
+            ax.text(x, y, "-" if np.isnan(v) else f"{v:.2f}{mark}", ha="center", va="center", fontsize=7)
         ax.set_xticks(range(len(lengths)), [str(n) for n in lengths], fontsize=7)
         ax.set_yticks(range(len(depths)), [f"{d:.2f}" for d in depths], fontsize=7)
-        ax.set_title(ckpt, fontsize=9)
+        past = window is not None and lengths and lengths[-1] > window
+        ax.set_title(f"{ckpt} (window {window}; * beyond)" if past else ckpt, fontsize=9)
         ax.set_xlabel("length")
     axes[0][0].set_ylabel("needle depth")
     fig.colorbar(image, ax=list(axes[0]), label="score", shrink=0.9)

@@ -10,7 +10,7 @@ import numpy as np
 def empty_results() -> dict:
     """The sections every checkpoint's measurements go into; what cannot be computed says why."""
     return {"tasks": {}, "throughput": {}, "position_loss": {}, "ppl_by_length": {}, "needle_ppl": {},
-            "retention_ppl": {}, "skipped": [],
+            "retention_ppl": {}, "skipped": [], "windows": {},
             "not_computed": {"helmet_gpt4o_judged": "GPT-4o-judged metrics (HELMET summarization, QA "
                                                     "judge) need an external API; not computed"}}
 
@@ -30,6 +30,17 @@ def score_rows(tasks: dict) -> list[dict]:
             for c, by_task in tasks.items() for t, by in by_task.items() for n, v in by.items()]
 
 
+BEYOND = "*"
+"""Marks a score measured beyond the checkpoint's window."""
+
+
+def beyond(results: dict, ckpt: str, n: int | str) -> bool:
+    """Whether length n is past the window `ckpt` was trained to (results read back from JSON
+    included)."""
+    window = results.get("windows", {}).get(ckpt)
+    return window is not None and int(n) > window
+
+
 def length_means(tasks: dict) -> tuple[list[int], dict[str, dict[int, float]]]:
     """Every length scored, and each checkpoint's mean task score at each of its lengths (a length
     beyond a checkpoint's window is absent)."""
@@ -47,8 +58,11 @@ def comparison(results: dict) -> str:
     head = ["checkpoint", *[f"tasks@{n}" for n in lengths], "retention ppl", "prompts/s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c, by_length in means.items():
-        cells = [c, *(f"{by_length[n]:.3f}" if n in by_length else "skipped" for n in lengths)]
+        cells = [c, *(f"{by_length[n]:.3f}{BEYOND if beyond(results, c, n) else ''}" if n in by_length
+                      else "skipped" for n in lengths)]
         ret = results["retention_ppl"].get(c)
         cells += [f"{ret:.2f}" if ret else "n/a", f"{results['throughput'][c]['prompts_per_s']:.2f}"]
         lines.append("| " + " | ".join(cells) + " |")
+    if any(beyond(results, c, n) for c, by in means.items() for n in by):
+        lines.append(f"\n{BEYOND} beyond the checkpoint's window (the length it was trained to)")
     return "\n".join(lines) + "\n"

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -138,21 +139,32 @@ def mean_loss(model: Transformer, docs: list[np.ndarray], masks: list[np.ndarray
     return total / max(count, 1)
 
 
+class Window(NamedTuple):
+    """A checkpoint's context window: the length it was trained to (None: no limit of its own:
+    no RoPE and no learned table) and whether it cannot run past it at all (`hard`: a learned
+    table that stops at its end). Beyond a soft window the checkpoint is evaluated and marked."""
+
+    length: int | None
+    hard: bool = False
+
+    def beyond(self, n: int) -> bool:
+        return self.length is not None and n > self.length
+
+
 def windows(folders: dict[str, Path], tok: TextTokenizer, tok_folder: Path,
-            lengths: list[int]) -> dict[str, int | None]:
-    """Each checkpoint's context window (None: no limit: no RoPE and no learned table that stops
-    at its end), read from its config so that a checkpoint the tokenizer does not fit, or eval
-    lengths no checkpoint holds, stop the evaluation before any checkpoint is evaluated."""
+            lengths: list[int]) -> dict[str, Window]:
+    """Each checkpoint's Window, read from its config so that a checkpoint the tokenizer does not
+    fit, or eval lengths beyond every checkpoint's window, stop the evaluation before any
+    checkpoint is evaluated."""
     out = {}
     for name, folder in folders.items():
         mcfg = native_config(folder)
         if tok.vocab_size > mcfg.vocab_size:
             raise DataError(f"{tok_folder}: {tok.vocab_size} tokens but checkpoint {folder} has a "
                             f"vocabulary of {mcfg.vocab_size}: the tokenizer does not match the checkpoint")
-        bounded = mcfg.rope is not None or (mcfg.learned_positions is not None
-                                            and mcfg.learned_positions.beyond == "error")
-        out[name] = mcfg.max_position_embeddings if bounded else None
-    longest = max(w or 10**9 for w in out.values())
+        hard = mcfg.learned_positions is not None and mcfg.learned_positions.beyond == "error"
+        out[name] = Window(mcfg.max_position_embeddings if mcfg.rope is not None or hard else None, hard)
+    longest = max(w.length or 10**9 for w in out.values())
     too_long = [n for n in lengths if n > longest]
     if too_long:
         raise ConfigError(f"eval.lengths: {too_long} exceed every checkpoint's window (the longest is {longest})")
@@ -188,16 +200,18 @@ def perplexities(results: dict, name: str, model: Transformer, data: PackedDatas
 
 
 def evaluate(results: dict, name: str, model: Transformer, folder: Path, enc: Encoder, ec: EvalParams,
-             data: PackedDataset, haystack: str, window: int | None,
+             data: PackedDataset, haystack: str, window: Window,
              short: PackedDataset | None) -> tuple[list[dict], list[dict]]:
-    """Everything measured on one checkpoint, into `results` under `name`: the task prompts at the
-    lengths its window (None: any) holds, the others skipped with the reason; perplexities on the
-    long documents of `data`; lm-eval tasks; perplexity on the short sequences of `short`.
-    Returns the scored prompt rows and the per-position loss rows."""
-    lengths = [n for n in ec.lengths if window is None or n <= window]
+    """Everything measured on one checkpoint, into `results` under `name`: the task prompts at
+    every eval length, also beyond its window (the comparison that shows what long-context
+    training did; `results["windows"]` marks them), except past a hard window (skipped, with the
+    reason); perplexities on the long documents of `data`; lm-eval tasks; perplexity on the short
+    sequences of `short`. Returns the scored prompt rows and the per-position loss rows."""
+    results["windows"][name] = window.length
+    lengths = [n for n in ec.lengths if not (window.hard and window.beyond(n))]
     for n in sorted(set(ec.lengths) - set(lengths)):
-        results["skipped"].append({"checkpoint": name, "length": n,
-                                   "reason": f"beyond the checkpoint's window {window}"})
+        results["skipped"].append({"checkpoint": name, "length": n, "reason": f"beyond the checkpoint's window "
+                                   f"{window.length} (its learned position table stops there)"})
     prompts = build_prompts(enc, ec.tasks, lengths, ec.samples, ec.depths, ec.seed, haystack)
     prompts += helmet.prompts(results, name, enc.count, ec, lengths)
     answer = (hf_answerer(folder / "hf", enc.eos()) if ec.backend == "transformers"

@@ -121,12 +121,9 @@ def niah(budget: Budget, rng: np.random.Generator, depth: float, haystack: str, 
         needles += [(k, v) for v in vals]
     needles += [(k, _number(rng)) for k in asked[queries:]]
     needles += [(_key(rng, taken), _number(rng)) for _ in range(distractors)]
-    texts = [f" One of the special magic numbers for {k} is: {v}. " for k, v in needles]
+    texts = [niah_needle(k, v) for k, v in needles]
     depths = [depth] + [float(rng.uniform(0, 1)) for _ in texts[1:]]
-    which = ", ".join(asked[:queries])
-    noun = "numbers" if values > 1 or queries > 1 else "number"
-    question = f"What are all the special magic {noun} for {which} mentioned in the provided text?"
-    prefix = f"The special magic {noun} for {which} mentioned in the provided text are"
+    question, prefix = niah_ask(asked[:queries], plural=values > 1 or queries > 1)
     fixed = "".join(texts) + question + prefix
     source = _sentences(haystack)
     sentences = budget.fill(fixed, lambda n: [source[i % len(source)] for i in range(n)])
@@ -134,11 +131,28 @@ def niah(budget: Budget, rng: np.random.Generator, depth: float, haystack: str, 
                   max_new_tokens=16 * len(gold), meta={"depth": depth})
 
 
+def niah_needle(key: str, value: str) -> str:
+    return f" One of the special magic numbers for {key} is: {value}. "
+
+
+def niah_ask(keys: list[str], plural: bool = False) -> tuple[str, str]:
+    """The NIAH question and the text the answer starts with (data/synthetic.py writes the same)."""
+    which, noun = ", ".join(keys), "numbers" if plural else "number"
+    return (f"What are all the special magic {noun} for {which} mentioned in the provided text?",
+            f"The special magic {noun} for {which} mentioned in the provided text are")
+
+
+def passkey_needle(key: str) -> str:
+    return f" The pass key is {key}. Remember it. {key} is the pass key. "
+
+
+PASSKEY_ASK = ("What is the pass key?", "The pass key is")
+
+
 def passkey(budget: Budget, rng: np.random.Generator, depth: float) -> Prompt:
     key = str(int(rng.integers(10_000, 100_000)))
-    needle = f" The pass key is {key}. Remember it. {key} is the pass key. "
-    question = "What is the pass key?"
-    prefix = "The pass key is"
+    needle = passkey_needle(key)
+    question, prefix = PASSKEY_ASK
     sentences = budget.fill(needle + question + prefix, lambda n: [NOISE] * n)
     return Prompt("passkey", budget.length, _insert(sentences, [needle], [depth]), question, prefix, [key],
                   "substring", max_new_tokens=12, meta={"depth": depth})

@@ -1,0 +1,60 @@
+"""Synthetic retrieval documents: seeded, procedurally generated texts in the formats the eval
+tasks ask about (eval/tasks.py: a pass key, a key-value needle, one needle among distractors),
+each ending with its question and answer, so a small model can learn to retrieve inside its
+window and the tiny profile can show whether that survives beyond it. ProLong's recipe has no
+synthetic data; only the tiny profile uses this source.
+
+Disjoint from evaluation by construction: pass keys have six digits (eval's have five) and
+needle keys are drawn from words eval never uses (TRAIN_WORDS), so no training document holds an
+eval prompt's answer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import numpy as np
+
+from ..eval.tasks import NOISE, PASSKEY_ASK, WORDS, niah_ask, niah_needle, passkey_needle
+
+FORMATS = ("passkey", "kv", "multikey")
+TRAIN_WORDS = ["alder", "bramble", "canyon", "dahlia", "elm", "fennel", "glacier", "hazel", "ivy", "jade",
+               "kestrel", "larch", "meadow", "nettle", "oak", "poplar", "quince", "reed", "sorrel", "tarn",
+               "umbra", "verbena", "wisteria", "yucca", "zinnia", "aspen", "basil", "coral", "dogwood", "esker"]
+assert not set(TRAIN_WORDS) & set(WORDS), "training keys must not be eval keys"
+
+
+def documents(seed: int, formats: list[str], min_chars: int, max_chars: int) -> Iterator[tuple[str, str]]:
+    """(id, text) forever: formats in turn, lengths log-uniform in [min_chars, max_chars], the
+    needles at uniform depths."""
+    unknown = sorted(set(formats) - set(FORMATS))
+    if unknown:
+        raise ValueError(f"synthetic formats {unknown} are unknown (known: {list(FORMATS)})")
+    rng = np.random.default_rng([seed, 7919])
+    for i in range(10**12):
+        fmt = formats[i % len(formats)]
+        chars = int(math.exp(rng.uniform(math.log(min_chars), math.log(max_chars))))
+        yield f"synthetic:{fmt}:{i}", _document(fmt, chars, rng)
+
+
+def _document(fmt: str, chars: int, rng: np.random.Generator) -> str:
+    if fmt == "passkey":
+        key = str(int(rng.integers(100_000, 1_000_000)))
+        needles, (question, prefix), answer = [passkey_needle(key)], PASSKEY_ASK, key
+    else:
+        keys = list(dict.fromkeys(_key(rng) for _ in range(1 if fmt == "kv" else 4)))
+        values = [str(int(rng.integers(1_000_000, 10_000_000))) for _ in keys]
+        needles = [niah_needle(k, v) for k, v in zip(keys, values, strict=True)]
+        ask = int(rng.integers(len(keys)))
+        (question, prefix), answer = niah_ask([keys[ask]]), values[ask]
+    qa = f"{question}\n{prefix} {answer}."
+    room = max(0, chars - len(qa) - sum(map(len, needles)))
+    filler = [NOISE] * max(1, room // len(NOISE))
+    for needle in needles:
+        filler.insert(int(rng.integers(len(filler) + 1)), needle)
+    return "".join(filler) + "\n\n" + qa
+
+
+def _key(rng: np.random.Generator) -> str:
+    return f"{TRAIN_WORDS[int(rng.integers(len(TRAIN_WORDS)))]}-{TRAIN_WORDS[int(rng.integers(len(TRAIN_WORDS)))]}"
