@@ -50,8 +50,10 @@ def run(cfg: Params, root: Path) -> None:
             else:
                 rope = None
             model = with_positions(model, rope, max(window, model.cfg.max_position_embeddings))
-            model, summary = _train.fit(f"pretrain_{stage.split}", stage, model, origin, tracker,
-                                        PLOTS / "pretrain" / f"{stage.split}.csv", par)
+            with tracker.nested(f"pretrain_{stage.split}", {"longctx.curriculum": stage.split}) as stage_tracker:
+                model, summary = _train.fit(f"pretrain_{stage.split}", stage, model, origin, stage_tracker,
+                                            PLOTS / "pretrain" / f"{stage.split}.csv", par)
+            tracker.metrics({f"{stage.split}.{k}": v for k, v in summary.items()})
             # the next stage's run folder depends on these weights (runs name them by params)
             origin = f"{origin}>{stage.model_dump_json()}"
             summaries[stage.split] = summary

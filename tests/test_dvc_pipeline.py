@@ -38,7 +38,16 @@ def test_dvc_repro_runs_the_stages_and_tracks_them(workspace):
     exp = client.get_experiment_by_name("longctx")
     assert exp.tags["mlflow.experimentKind"] == "custom_model_development"  # the UI opens its runs, not GenAI
     runs = {r.info.run_name: r for r in client.search_runs([exp.experiment_id])}
-    assert set(runs) == {"corpora", "tokenize", "pack", "base", "rope_search", "pretrain", "sft", "eval"}
+    curriculum = {"pretrain_stage1", "pretrain_stage2"}  # nested in pretrain's run, each its own curve
+    assert set(runs) == {"corpora", "tokenize", "pack", "base", "rope_search", "pretrain", "sft", "eval"} | curriculum
+    for name in curriculum:
+        assert runs[name].data.tags["mlflow.parentRunId"] == runs["pretrain"].info.run_id
+        assert runs[name].data.tags["longctx.curriculum"] == name.removeprefix("pretrain_")
+        history = client.get_metric_history(runs[name].info.run_id, "loss")
+        assert [m.step for m in history] == list(range(1, len(history) + 1))
+        assert runs[name].data.metrics["final.val_loss"] > 0
+    assert runs["pretrain"].data.metrics["stage2.val_loss"] == runs["pretrain_stage2"].data.metrics["final.val_loss"]
+    assert not client.get_metric_history(runs["pretrain"].info.run_id, "loss")  # no zig-zag of two curves
     assert all(r.info.status == "FINISHED" for r in runs.values())
     assert runs["pack"].data.params["pack.seed"] == "0"
     assert runs["pack"].data.metrics["tokens_per_s"] > 0

@@ -64,6 +64,20 @@ class Tracker:
         if self._mlflow:
             self._mlflow.log_text(text, name)
 
+    @contextlib.contextmanager
+    def nested(self, name: str, tags: dict[str, str]) -> Iterator[Tracker]:
+        """A child run of this one (a curriculum stage of pretrain: its own loss curve from step
+        1 and its own final values, not one run's keys written twice); ends FAILED if the body
+        raises."""
+        if not self._mlflow:
+            yield Tracker()
+            return
+        parent = self._mlflow.active_run()  # the stage's run: its experiment, its tags
+        inherited = {k: v for k, v in parent.data.tags.items() if not k.startswith("mlflow.")}
+        with self._mlflow.start_run(experiment_id=parent.info.experiment_id, run_name=name, nested=True,
+                                    tags=inherited | tags):
+            yield Tracker(self._mlflow)
+
 
 def git_commit(root: Path) -> str | None:
     try:

@@ -27,11 +27,11 @@ assert not set(TRAIN_WORDS) & set(WORDS), "training keys must not be eval keys"
 
 def documents(seed: int, formats: list[str], min_chars: int, max_chars: int) -> Iterator[tuple[str, str]]:
     """(id, text) forever: formats in turn, lengths log-uniform in [min_chars, max_chars], the
-    needles at uniform depths."""
+    needles at uniform depths. Sources of other lengths draw other documents."""
     unknown = sorted(set(formats) - set(FORMATS))
     if unknown:
         raise ValueError(f"synthetic formats {unknown} are unknown (known: {list(FORMATS)})")
-    rng = np.random.default_rng([seed, 7919])
+    rng = np.random.default_rng([seed, min_chars, max_chars, 7919])
     for i in range(10**12):
         fmt = formats[i % len(formats)]
         chars = int(math.exp(rng.uniform(math.log(min_chars), math.log(max_chars))))
