@@ -41,7 +41,7 @@ import torch
 from longctx.model.attention import available
 from longctx.model.recompute import MODES
 from longctx.perf import measure, peak_memory, prepared, profile, write_result
-from longctx.train.loop import Batch, packed_batch, schedule
+from longctx.train.loop import Batch, attention_cost, packed_batch, schedule
 from longctx.train.models import preset
 from longctx.train.parallel import Parallel, close, init, with_sequence_parallel
 
@@ -67,7 +67,7 @@ def step_batches(seq: int, vocab: int, step: int, accum: int, par: Parallel, reo
     seeds = [1_000 * step + j for j in range(accum * par.dp)]
     bounds = {s: documents(seq, s) for s in seeds}
     if reorder:
-        costs = [int(((bounds[s][1:] - bounds[s][:-1]).long() ** 2).sum()) for s in seeds]
+        costs = [attention_cost(bounds[s]) for s in seeds]
         mine = [m[0] for m in schedule(seeds, costs, 1, par.dp)[par.dp_rank]]
     else:
         mine = seeds[par.dp_rank * accum:(par.dp_rank + 1) * accum]

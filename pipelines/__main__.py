@@ -25,12 +25,13 @@ def summary(ws: Path) -> str:
     line naming the best checkpoint at the longest length."""
     ev = json.loads((ws / "metrics" / "eval.json").read_text())
     lengths, means = length_means(ev["tasks"])
+    windows = ev.get("windows", {})  # (absent from results of older runs)
     tasks = sorted({t for by_task in ev["tasks"].values() for t in by_task})
     head = ["checkpoint", *[f"{t}@{n}" for n in lengths for t in tasks], "ppl@longest", "needle ppl@longest",
             "short ppl"]
     rows = [head]
     for ckpt, by_task in ev["tasks"].items():
-        cells = [ckpt, *(f"{by_task[t][str(n)]:.2f}{BEYOND if beyond(ev, ckpt, n) else ''}"
+        cells = [ckpt, *(f"{by_task[t][str(n)]:.2f}{BEYOND if beyond(windows, ckpt, n) else ''}"
                          if str(n) in by_task.get(t, {}) else "-" for n in lengths for t in tasks)]
         ppl, needle = ev["ppl_by_length"].get(ckpt, {}), ev["needle_ppl"].get(ckpt, {})
         top = max(ppl, key=int) if ppl else None
@@ -40,7 +41,7 @@ def summary(ws: Path) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     table = "\n".join("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
                       for r in rows)
-    if any(beyond(ev, c, n) for c in ev["tasks"] for n in lengths):
+    if any(beyond(windows, c, n) for c in ev["tasks"] for n in lengths):
         table += f"\n{BEYOND} beyond the checkpoint's window (the length it was trained to)"
     longest = lengths[-1] if lengths else None
     scored = {c: by[longest] for c, by in means.items() if longest in by}

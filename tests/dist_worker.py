@@ -34,7 +34,7 @@ def build(arch: str) -> Transformer:
 
 def gradients(model: Transformer, data: PackedDataset, par: parallel.Parallel, out: Path) -> None:
     samples = [0, 1, 2, 3]
-    mine = schedule(samples, [attention_cost(data, i) for i in samples], 1, par.dp)[par.dp_rank]
+    mine = schedule(samples, [attention_cost(data[i].cu_seqlens) for i in samples], 1, par.dp)[par.dp_rank]
     batches = [make_batch(data, ids, par.device, par.sp) for ids in mine]
     lo_hi = [ulysses.bounds(b.labels.numel(), par.sp_group) for b in batches]
     valid = par.sum(sum(int((b.labels[lo:hi] != -100).sum()) for b, (lo, hi) in zip(batches, lo_hi, strict=True)))

@@ -58,7 +58,7 @@ def test_a_steps_sequences_are_dealt_by_attention_cost():
     from longctx.train.parallel import Parallel
 
     def cost(b):
-        return int(((b.cu_seqlens[1:] - b.cu_seqlens[:-1]).long() ** 2).sum())
+        return int(((b.cu_seqlens[1:] - b.cu_seqlens[:-1]).long() ** 2).sum())  # written out: not the bench's
 
     for reorder in (True, False):
         ranks = [step_batches(65536, 100, 2, 3, Parallel(rank=r, world=2), reorder) for r in range(2)]

@@ -11,6 +11,7 @@ eval prompt's answer.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator
 
@@ -32,7 +33,7 @@ def documents(seed: int, formats: list[str], min_chars: int, max_chars: int) -> 
     if unknown:
         raise ValueError(f"synthetic formats {unknown} are unknown (known: {list(FORMATS)})")
     rng = np.random.default_rng([seed, min_chars, max_chars, 7919])
-    for i in range(10**12):
+    for i in itertools.count():
         fmt = formats[i % len(formats)]
         chars = int(math.exp(rng.uniform(math.log(min_chars), math.log(max_chars))))
         yield f"synthetic:{fmt}:{i}", _document(fmt, chars, rng)

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from ..plotting import finish, labels, pyplot, save
+from .report import BEYOND, beyond
 
 MARKERS = "osD^vP*X"
 
@@ -17,10 +18,11 @@ def score_vs_length(scores: dict[str, dict[str, dict[int, float]]], path: Path,
     lie on top of each other stay visible: each checkpoint has its own marker and a small sideways
     offset, and a checkpoint whose scores equal an earlier one's says so in the legend. Scores
     beyond a checkpoint's window (`windows`: checkpoint -> trained length) have hollow markers."""
-    save(score_figure(scores, windows or {}), path)
+    save(score_figure(scores, windows), path)
 
 
 def score_figure(scores: dict[str, dict[str, dict[int, float]]], windows: dict[str, int | None] | None = None):
+    windows = windows or {}
     fig, ax = pyplot().subplots(figsize=(7, 4.2))
     seen: dict[tuple, str] = {}
     hollow = False
@@ -33,8 +35,7 @@ def score_figure(scores: dict[str, dict[str, dict[int, float]]], windows: dict[s
         shift = 2 ** (0.04 * (i - (len(scores) - 1) / 2))  # x is log2: a constant ratio is a constant offset
         marker = MARKERS[i % len(MARKERS)]
         (line,) = ax.plot([n * shift for n in lengths], means, marker=marker, alpha=0.85, label=label)
-        window = (windows or {}).get(ckpt)
-        out = [(n * shift, m) for n, m in zip(lengths, means, strict=True) if window is not None and int(n) > window]
+        out = [(n * shift, m) for n, m in zip(lengths, means, strict=True) if beyond(windows, ckpt, n)]
         if out:
             hollow = True
             ax.plot(*zip(*out, strict=True), linestyle="none", marker=marker, markerfacecolor="white",
@@ -61,10 +62,11 @@ def niah_heatmap(rows: list[dict], path: Path, windows: dict[str, int | None] | 
     """Single-needle (noise haystack) score by depth x length, one panel per checkpoint, each
     cell's score written in it (with a * beyond the checkpoint's window) and the colour scale
     beside the panels."""
-    save(niah_figure(rows, windows or {}), path)
+    save(niah_figure(rows, windows), path)
 
 
 def niah_figure(rows: list[dict], windows: dict[str, int | None] | None = None):
+    windows = windows or {}
     cells = [r for r in rows if r["task"] == "niah_single_noise"]
     ckpts = list(dict.fromkeys(r["checkpoint"] for r in cells)) or ["none"]
     fig, axes = pyplot().subplots(1, len(ckpts), figsize=(3.2 * len(ckpts) + 0.8, 3.2), squeeze=False,
@@ -78,14 +80,13 @@ def niah_figure(rows: list[dict], windows: dict[str, int | None] | None = None):
             if r["checkpoint"] == ckpt:
                 grid[depths.index(r["depth"]), lengths.index(r["length"])] = r["score"]
         image = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
-        window = (windows or {}).get(ckpt)
         for (y, x), v in np.ndenumerate(grid):
-            mark = "*" if window is not None and lengths[x] > window else ""
+            mark = BEYOND if beyond(windows, ckpt, lengths[x]) else ""
             ax.text(x, y, "-" if np.isnan(v) else f"{v:.2f}{mark}", ha="center", va="center", fontsize=7)
         ax.set_xticks(range(len(lengths)), [str(n) for n in lengths], fontsize=7)
         ax.set_yticks(range(len(depths)), [f"{d:.2f}" for d in depths], fontsize=7)
-        past = window is not None and lengths and lengths[-1] > window
-        ax.set_title(f"{ckpt} (window {window}; * beyond)" if past else ckpt, fontsize=9)
+        past = bool(lengths) and beyond(windows, ckpt, lengths[-1])
+        ax.set_title(f"{ckpt} (window {windows[ckpt]}; {BEYOND} beyond)" if past else ckpt, fontsize=9)
         ax.set_xlabel("length")
     axes[0][0].set_ylabel("needle depth")
     fig.colorbar(image, ax=list(axes[0]), label="score", shrink=0.9)

@@ -34,10 +34,10 @@ BEYOND = "*"
 """Marks a score measured beyond the checkpoint's window."""
 
 
-def beyond(results: dict, ckpt: str, n: int | str) -> bool:
-    """Whether length n is past the window `ckpt` was trained to (results read back from JSON
-    included)."""
-    window = results.get("windows", {}).get(ckpt)
+def beyond(windows: dict[str, int | None], ckpt: str, n: int | str) -> bool:
+    """Whether length n is past the window `ckpt` was trained to (`windows`: the results'
+    checkpoint -> trained length, None for no limit; lengths may be JSON's strings)."""
+    window = windows.get(ckpt)
     return window is not None and int(n) > window
 
 
@@ -57,12 +57,13 @@ def comparison(results: dict) -> str:
     lengths, means = length_means(results["tasks"])
     head = ["checkpoint", *[f"tasks@{n}" for n in lengths], "retention ppl", "prompts/s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    windows = results.get("windows", {})
     for c, by_length in means.items():
-        cells = [c, *(f"{by_length[n]:.3f}{BEYOND if beyond(results, c, n) else ''}" if n in by_length
+        cells = [c, *(f"{by_length[n]:.3f}{BEYOND if beyond(windows, c, n) else ''}" if n in by_length
                       else "skipped" for n in lengths)]
         ret = results["retention_ppl"].get(c)
         cells += [f"{ret:.2f}" if ret else "n/a", f"{results['throughput'][c]['prompts_per_s']:.2f}"]
         lines.append("| " + " | ".join(cells) + " |")
-    if any(beyond(results, c, n) for c, by in means.items() for n in by):
+    if any(beyond(windows, c, n) for c, by in means.items() for n in by):
         lines.append(f"\n{BEYOND} beyond the checkpoint's window (the length it was trained to)")
     return "\n".join(lines) + "\n"

@@ -147,9 +147,6 @@ class Window(NamedTuple):
     length: int | None
     hard: bool = False
 
-    def beyond(self, n: int) -> bool:
-        return self.length is not None and n > self.length
-
 
 def windows(folders: dict[str, Path], tok: TextTokenizer, tok_folder: Path,
             lengths: list[int]) -> dict[str, Window]:
@@ -208,7 +205,7 @@ def evaluate(results: dict, name: str, model: Transformer, folder: Path, enc: En
     reason); perplexities on the long documents of `data`; lm-eval tasks; perplexity on the short
     sequences of `short`. Returns the scored prompt rows and the per-position loss rows."""
     results["windows"][name] = window.length
-    lengths = [n for n in ec.lengths if not (window.hard and window.beyond(n))]
+    lengths = [n for n in ec.lengths if not (window.hard and n > window.length)]
     for n in sorted(set(ec.lengths) - set(lengths)):
         results["skipped"].append({"checkpoint": name, "length": n, "reason": f"beyond the checkpoint's window "
                                    f"{window.length} (its learned position table stops there)"})

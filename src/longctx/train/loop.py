@@ -71,9 +71,10 @@ def sample_indices(step: int, per_step: int, n: int, seed: int) -> list[int]:
     return [int(_epoch_order(n, seed, g // n)[g % n]) for g in range(step * per_step, (step + 1) * per_step)]
 
 
-def attention_cost(data: PackedDataset, i: int) -> int:
-    """The sum of squared document lengths of a sequence: what its attention costs."""
-    lengths = np.diff(data[i].cu_seqlens.astype(np.int64))
+def attention_cost(cu_seqlens) -> int:
+    """The sum of squared document lengths of a packed sequence (its boundaries, an array or a
+    tensor): what its attention costs."""
+    lengths = np.diff(np.asarray(cu_seqlens, dtype=np.int64))
     return int((lengths**2).sum())
 
 
@@ -397,7 +398,7 @@ def train(model: Transformer, data: PackedDataset, cfg: RunParams, out: Path, tr
     for step in bar:
         timer = _StepTimer(device)
         samples = sample_indices(step, per_step, len(data), cfg.seed)
-        costs = [attention_cost(data, i) for i in samples]
+        costs = [attention_cost(data[i].cu_seqlens) for i in samples]
         mine = schedule(samples, costs, cfg.micro_batch, par.dp)[par.dp_rank]
         micro = [make_batch(data, ids, device, par.sp) for ids in mine]
         lr = lr_at(step, cfg.steps, cfg.lr, cfg.warmup, cfg.lr_min)
