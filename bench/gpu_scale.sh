@@ -12,7 +12,7 @@
 # steady:  fsdp's attention row over 3 steps queued and 3 isolated (a step's cost follows its
 #          documents: one step is a sample of one draw)
 # fit:     one step each (--fit): the Transformer with sequence parallelism at $FIT_SEQ tokens
-#          (default 393216) and, with FSDP2 CPU offload, at $OFFLOAD_SEQ (default 524288)
+#          (default 524288) and, with FSDP2 CPU offload, at $OFFLOAD_SEQ (default 655360)
 set -uo pipefail
 out=${OUT:-bench/results}
 mkdir -p "$out"
@@ -39,8 +39,8 @@ for part in ${*:-fsdp unsorted sp}; do
     sp) scale -sp sp --sp-seq "${SP_SEQ:-262144}" --recompute full
         scale -sp-fox fox-sp --sp-seq "${SP_SEQ:-262144}" --recompute full ;;
     steady) scale -64k-attention-steady fsdp --accum 2 --recompute attention --steps 3 ;;
-    fit) scale -sp-fit sp --sp-seq "${FIT_SEQ:-393216}" --recompute full --fit
-         scale -sp-fit-offload sp --sp-seq "${OFFLOAD_SEQ:-524288}" --recompute full --offload --fit ;;
+    fit) scale -sp-fit sp --sp-seq "${FIT_SEQ:-524288}" --recompute full --fit
+         scale -sp-fit-offload sp --sp-seq "${OFFLOAD_SEQ:-655360}" --recompute full --offload --fit ;;
     *) echo "unknown part $part (fsdp, unsorted, sp, steady, fit)"; status=1 ;;
   esac
 done

@@ -6,6 +6,7 @@ its value without gradients, and the new training keys are validated."""
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 
 import pytest
@@ -21,7 +22,7 @@ from longctx.model.loss import chunked_cross_entropy, shift_labels
 from longctx.model.transformer import Transformer
 from longctx.train.compiled import compile_blocks, graphs_compiled
 from longctx.train.models import base_model, build, preset, with_positions
-from longctx.train.parallel import Parallel, shard
+from longctx.train.parallel import Parallel, host_threads, shard
 
 PARAMS = {"llama3-8b": 8.03e9, "fox-760m": 0.83e9, "fox-125m": 0.16e9}  # with embeddings; FoX adds its gates
 
@@ -167,6 +168,17 @@ def test_training_keys_are_validated():
 def test_offload_without_a_gpu_is_refused():
     with pytest.raises(ConfigError, match="offload: .* this run has no GPU"):
         shard(build(small("llama")), Parallel(), offload=True)
+
+
+def test_offloading_processes_share_the_host_cores(monkeypatch):
+    """torchrun's OMP_NUM_THREADS=1 would leave the offloaded optimizer step on one core."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert host_threads() == 8
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert host_threads() == 64
+    monkeypatch.setattr(os, "cpu_count", lambda: None)
+    assert host_threads() == 1
 
 
 def test_compute_copies_keep_fp32_masters_and_accumulate_in_fp32():

@@ -155,6 +155,13 @@ def _world_of_one(device: torch.device) -> None:
                                 device_id=torch.device("cuda", index))
 
 
+def host_threads() -> int:
+    """Threads for this process's host work: the machine's cores shared among the processes
+    torchrun started on it. torchrun sets OMP_NUM_THREADS=1 when it starts several, which leaves
+    an offloaded optimizer step (AdamW over billions of host parameters) on one core."""
+    return max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+
+
 def shard(model: Transformer, par: Parallel, offload: bool = False) -> Transformer:
     """FSDP2 over all ranks: one unit per transformer block, the rest (embeddings, final norm,
     head) in the root unit; on GPUs with bf16 compute weights over fp32 master weights. A single
@@ -175,6 +182,8 @@ def shard(model: Transformer, par: Parallel, offload: bool = False) -> Transform
 
     if not par.distributed:
         _world_of_one(par.device)
+    if offload:
+        torch.set_num_threads(max(torch.get_num_threads(), host_threads()))
     mesh = init_device_mesh(par.device.type, (par.world,))
     options = {"mesh": mesh, "offload_policy": CPUOffloadPolicy() if offload else OffloadPolicy(),
                # a world of one gathers nothing: keep the bf16 weights from forward to backward
