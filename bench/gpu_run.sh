@@ -24,7 +24,14 @@ for part in $parts; do
              | tee "$out/train_fox.log" \
            && python3 bench/attention.py --gates-from bench/work/fox/model --gates-data data/packed/stage2/val \
              --lengths 16384 65536 --out "$out/gates" 2>&1 | tee "$out/gates.log" ;;
-    positions) python3 bench/positions.py --data data/packed/stage2 --out "$out" 2>&1 | tee "$out/positions.log" ;;
+    positions) python3 bench/positions.py --data data/packed/stage2 --out "$out" 2>&1 | tee "$out/positions.log"
+               status=$(( status || PIPESTATUS[0] ))
+               # a diverged SeqPE again, under anomaly detection: which backward operation made the NaN
+               if grep -q "^SeqPE: " "$out/positions.log"; then
+                 timeout "${ANOMALY_LIMIT:-240}" python3 bench/positions.py --data data/packed/stage2 --models SeqPE \
+                   --anomaly --out "$out/anomaly" --work bench/work/anomaly 2>&1 | tail -60 | tee "$out/positions-anomaly.log"
+               fi
+               : ;;  # (the loop below takes this part's status from here)
     *) python3 "bench/$part.py" --out "$out" 2>&1 | tee "$out/$part.log" ;;
   esac
   status=$(( status || PIPESTATUS[0] ))

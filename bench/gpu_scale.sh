@@ -39,8 +39,9 @@ for part in ${*:-fsdp unsorted sp}; do
     sp) scale -sp sp --sp-seq "${SP_SEQ:-262144}" --recompute full
         scale -sp-fox fox-sp --sp-seq "${SP_SEQ:-262144}" --recompute full ;;
     steady) scale -64k-attention-steady fsdp --accum 2 --recompute attention --steps 3 ;;
-    fit) scale -sp-fit sp --sp-seq "${FIT_SEQ:-524288}" --recompute full --fit
-         scale -sp-fit-offload sp --sp-seq "${OFFLOAD_SEQ:-655360}" --recompute full --offload --fit ;;
+    fit) fit=${FIT_SEQ:-524288} off=${OFFLOAD_SEQ:-655360}
+         scale -sp-fit-$((fit / 1024))k sp --sp-seq "$fit" --recompute full --fit
+         scale -sp-fit-offload-$((off / 1024))k sp --sp-seq "$off" --recompute full --offload --fit ;;
     *) echo "unknown part $part (fsdp, unsorted, sp, steady, fit)"; status=1 ;;
   esac
 done

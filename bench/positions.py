@@ -96,6 +96,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--models", nargs="*", choices=list(ENCODINGS), default=list(ENCODINGS))
     ap.add_argument("--work", type=Path, default=Path("bench/work/positions"), help="run folders (checkpoints)")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
+    ap.add_argument("--anomaly", action="store_true", help="autograd anomaly detection: a NaN made in a backward "
+                    "operation stops training and names that operation (its forward's stack goes to stderr)")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
@@ -113,13 +115,18 @@ def main(argv: list[str] | None = None) -> dict:
         model = build(cfg, device=device)
         begin = time.perf_counter()
         work = args.work / name.split()[0].lower()
+        diverged = None  # if it does: reported, and the weights of the last good step scored
         try:
-            train(model, train_data, run, work, resume=False)
-        except TrainingDiverged as e:  # report it, and score the weights of the last good step
+            with torch.autograd.set_detect_anomaly(args.anomaly, check_nan=True):
+                train(model, train_data, run, work, resume=False)
+        except TrainingDiverged as e:
             diverged = str(e).split(";")[0]
+        except RuntimeError as e:  # --anomaly: the backward operation that first made a NaN
+            if not (args.anomaly and "nan" in str(e)):
+                raise
+            diverged = f"anomaly: {e}"
+        if diverged:
             print(f"{name}: {diverged}", flush=True)
-        else:
-            diverged = None
         seconds = time.perf_counter() - begin
         steps = [json.loads(line) for line in (work / "metrics.jsonl").read_text().splitlines()]
         late = steps[len(steps) // 2:]  # after the warm-up

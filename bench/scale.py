@@ -110,8 +110,9 @@ def run_setting(name: str, args, base_par) -> dict:
             row.update(measure(run, batches, args.steps, args.warmup))
         if args.profile and par.device.type == "cuda":
             row["profile_by_rank"] = profiled(run, batches(10_000), par)
-    except torch.OutOfMemoryError:
+    except torch.OutOfMemoryError as e:
         row["error"] = "out of memory"
+        row["oom"] = str(e).split("\n")[0][:300]  # what it tried to allocate, and what was free
         if args.fit:
             row["fits"] = False
         if par.device.type == "cuda":
