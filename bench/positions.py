@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> dict:
     path = write_result(args.out, "positions", {"rows": rows, "claim": claim, "train_len": args.train_len,
                                                 "steps": args.steps, "micro_batch": args.micro_batch,
                                                 "shape": args.shape, "eval_docs": len(docs)}, device=device_name)
-    plot_position_loss(curves, path.with_suffix(".png"))
+    plot_position_loss(curves, path.with_suffix(".png"), args.train_len)
     return {"rows": rows, "claim": claim, "json": path}
 
 

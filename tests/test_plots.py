@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from longctx.eval.plots import niah_figure, niah_heatmap, score_figure
+from longctx.eval.plots import niah_figure, niah_heatmap, position_figure, score_figure
 from longctx.ropesearch.compare import SEARCHED, factors_figure
 from longctx.ropesearch.space import Space
 
@@ -65,3 +65,11 @@ def test_same_as_names_the_baseline_the_search_kept():
 
     assert same_as({"ntk": [1.0, 2.0], "yarn": [1.0, 3.0], SEARCHED: [1.0, 2.0]}) == "ntk"
     assert same_as({"ntk": [1.0, 2.0], SEARCHED: [1.0, 2.5]}) is None
+
+
+def test_loss_by_position_marks_the_training_length():
+    rows = [{"checkpoint": c, "position": p, "loss": 4.0 + p / 1000} for c in ("RoPE", "SeqPE") for p in (16, 48, 80)]
+    lines = position_figure(rows, train_len=64).axes[0].get_lines()
+    assert [ln.get_label() for ln in lines] == ["RoPE", "SeqPE", "training length (64)"]
+    assert list(lines[-1].get_xdata()) == [64, 64] and lines[-1].get_linestyle() == "--"
+    assert len(position_figure(rows).axes[0].get_lines()) == 2

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..plotting import finish, labels, pyplot, save
+from ..plotting import labels, pyplot, save
 from .report import BEYOND, beyond
 
 MARKERS = "osD^vP*X"
@@ -49,13 +49,21 @@ def score_figure(scores: dict[str, dict[str, dict[int, float]]], windows: dict[s
     return fig
 
 
-def position_loss(rows: list[dict], path: Path) -> None:
-    """Loss by token position (FoX paper Figure 2), one line per checkpoint."""
+def position_loss(rows: list[dict], path: Path, train_len: int | None = None) -> None:
+    """Loss by token position (FoX paper Figure 2), one line per checkpoint; a dashed line at the
+    length they were trained at, where extrapolation starts."""
+    save(position_figure(rows, train_len), path)
+
+
+def position_figure(rows: list[dict], train_len: int | None = None):
     fig, ax = pyplot().subplots(figsize=(7, 4.2))
     for ckpt in dict.fromkeys(r["checkpoint"] for r in rows):
         pts = [(r["position"], r["loss"]) for r in rows if r["checkpoint"] == ckpt]
         ax.plot([p for p, _ in pts], [v for _, v in pts], label=ckpt)
-    finish(fig, ax, path, "token position", "loss (window mean)", "Loss by position")
+    if train_len:
+        ax.axvline(train_len, color="0.4", linestyle="--", linewidth=1, label=f"training length ({train_len})")
+    labels(ax, "token position", "loss (window mean)", "Loss by position")
+    return fig
 
 
 def niah_heatmap(rows: list[dict], path: Path, windows: dict[str, int | None] | None = None) -> None:
