@@ -3,7 +3,7 @@
 # GPU, at the Llama-3-8B shape (carry .whl: pydantic). JSON (written after every setting) and one
 # log per run go to $OUT (or bench/results). Each run is cut at $LIMIT seconds (default 300) so
 # one that hangs cannot take the others' time.
-#   bash bench/gpu_scale.sh [fsdp] [unsorted] [sp] [steady] [fit]    (default: fsdp unsorted sp)
+#   bash bench/gpu_scale.sh [fsdp] [unsorted] [sp] [longest] [steady] [fit]    (default: fsdp unsorted sp)
 # fsdp:    64K tokens per sequence, FSDP2 over all GPUs, 2 sequences per rank per step dealt by
 #          attention cost: full recomputation; attention recomputation (profiled); FoX (Pro) + ACP
 # unsorted: attention recomputation with the sequences dealt as generated
@@ -11,6 +11,8 @@
 #          Transformer and FoX (Pro) + ACP
 # steady:  fsdp's attention row over 3 steps queued and 3 isolated (a step's cost follows its
 #          documents: one step is a sample of one draw)
+# longest: sp's two rows at $LONG_SEQ tokens (default 524288, the longest that fits without
+#          offload), one step after the first (--warmup 0: at this length a step takes minutes)
 # fit:     one step each (--fit): the Transformer with sequence parallelism at $FIT_SEQ tokens
 #          (default 524288) and, with FSDP2 CPU offload, at $OFFLOAD_SEQ (default 655360)
 set -uo pipefail
@@ -38,11 +40,14 @@ for part in ${*:-fsdp unsorted sp}; do
     unsorted) scale -64k-attention-unsorted fsdp --accum 2 --recompute attention --no-reorder ;;
     sp) scale -sp sp --sp-seq "${SP_SEQ:-262144}" --recompute full
         scale -sp-fox fox-sp --sp-seq "${SP_SEQ:-262144}" --recompute full ;;
+    longest) long=${LONG_SEQ:-524288}
+             scale -sp-$((long / 1024))k sp --sp-seq "$long" --recompute full --warmup 0
+             scale -sp-fox-$((long / 1024))k fox-sp --sp-seq "$long" --recompute full --warmup 0 ;;
     steady) scale -64k-attention-steady fsdp --accum 2 --recompute attention --steps 3 ;;
     fit) fit=${FIT_SEQ:-524288} off=${OFFLOAD_SEQ:-655360}
          scale -sp-fit-$((fit / 1024))k sp --sp-seq "$fit" --recompute full --fit
          scale -sp-fit-offload-$((off / 1024))k sp --sp-seq "$off" --recompute full --offload --fit ;;
-    *) echo "unknown part $part (fsdp, unsorted, sp, steady, fit)"; status=1 ;;
+    *) echo "unknown part $part (fsdp, unsorted, sp, longest, steady, fit)"; status=1 ;;
   esac
 done
 exit $status
