@@ -11,10 +11,11 @@
 #          Transformer and FoX (Pro) + ACP
 # steady:  fsdp's attention row over 3 steps queued and 3 isolated (a step's cost follows its
 #          documents: one step is a sample of one draw)
-# longest: sp's two rows at $LONG_SEQ tokens (default 524288, the longest that fits without
+# longest: sp's two rows at $LONG_SEQ tokens (default 393216, the longest that trains without
 #          offload), one step after the first (--warmup 0: at this length a step takes minutes)
-# fit:     one step each (--fit): the Transformer with sequence parallelism at $FIT_SEQ tokens
-#          (default 524288) and, with FSDP2 CPU offload, at $OFFLOAD_SEQ (default 655360)
+# fit:     two steps each (--fit; the second holds the optimizer state): the Transformer with
+#          sequence parallelism at $FIT_SEQ tokens (default 393216) and, with FSDP2 CPU offload, at
+#          $OFFLOAD_SEQ (default 589824)
 set -uo pipefail
 out=${OUT:-bench/results}
 mkdir -p "$out"
@@ -40,11 +41,11 @@ for part in ${*:-fsdp unsorted sp}; do
     unsorted) scale -64k-attention-unsorted fsdp --accum 2 --recompute attention --no-reorder ;;
     sp) scale -sp sp --sp-seq "${SP_SEQ:-262144}" --recompute full
         scale -sp-fox fox-sp --sp-seq "${SP_SEQ:-262144}" --recompute full ;;
-    longest) long=${LONG_SEQ:-524288}
+    longest) long=${LONG_SEQ:-393216}
              scale -sp-$((long / 1024))k sp --sp-seq "$long" --recompute full --warmup 0
              scale -sp-fox-$((long / 1024))k fox-sp --sp-seq "$long" --recompute full --warmup 0 ;;
     steady) scale -64k-attention-steady fsdp --accum 2 --recompute attention --steps 3 ;;
-    fit) fit=${FIT_SEQ:-524288} off=${OFFLOAD_SEQ:-655360}
+    fit) fit=${FIT_SEQ:-393216} off=${OFFLOAD_SEQ:-589824}
          scale -sp-fit-$((fit / 1024))k sp --sp-seq "$fit" --recompute full --fit
          scale -sp-fit-offload-$((off / 1024))k sp --sp-seq "$off" --recompute full --offload --fit ;;
     *) echo "unknown part $part (fsdp, unsorted, sp, longest, steady, fit)"; status=1 ;;
