@@ -171,13 +171,14 @@ def _transient(state) -> bool:
 
 
 def headline(evaluated: dict | None) -> dict[str, float]:
-    """The parent run's metrics: each checkpoint's mean task score and perplexity at each length
-    (from this run's eval, when it ran)."""
+    """The parent run's metrics, section `results`: each checkpoint's mean task score and
+    perplexity at each length (from this run's eval, when it ran)."""
     if not evaluated or "tasks" not in evaluated:
         return {}
     _, means = length_means(evaluated["tasks"])
-    out = {f"{c}.tasks_at_{n}": v for c, by in means.items() for n, v in by.items()}
-    out |= {f"{c}.ppl_at_{n}": v for c, by in evaluated.get("ppl_by_length", {}).items() for n, v in by.items()}
+    out = {f"results/{c}.tasks_at_{n}": v for c, by in means.items() for n, v in by.items()}
+    out |= {f"results/{c}.ppl_at_{n}": v for c, by in evaluated.get("ppl_by_length", {}).items()
+            for n, v in by.items()}
     return out
 
 

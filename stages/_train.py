@@ -60,7 +60,7 @@ def tracked(cfg: Params, root: Path, name: str, par: Parallel) -> Iterator[Track
     if not par.main:
         yield Tracker()
         return
-    with stage_run(cfg.tracking, root, name, params(cfg, name)) as tracker:
+    with stage_run(cfg.tracking, root, name, params(cfg, name), section="train") as tracker:
         yield tracker
 
 

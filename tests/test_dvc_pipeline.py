@@ -43,20 +43,25 @@ def test_dvc_repro_runs_the_stages_and_tracks_them(workspace):
     for name in curriculum:
         assert runs[name].data.tags["mlflow.parentRunId"] == runs["pretrain"].info.run_id
         assert runs[name].data.tags["longctx.curriculum"] == name.removeprefix("pretrain_")
-        history = client.get_metric_history(runs[name].info.run_id, "loss")
+        history = client.get_metric_history(runs[name].info.run_id, "train/loss")
         assert [m.step for m in history] == list(range(1, len(history) + 1))
-        assert runs[name].data.metrics["final.val_loss"] > 0
-    assert runs["pretrain"].data.metrics["stage2.val_loss"] == runs["pretrain_stage2"].data.metrics["final.val_loss"]
-    assert not client.get_metric_history(runs["pretrain"].info.run_id, "loss")  # no zig-zag of two curves
+        assert runs[name].data.metrics["train/final.val_loss"] > 0
+    final = runs["pretrain_stage2"].data.metrics["train/final.val_loss"]
+    assert runs["pretrain"].data.metrics["train/stage2.val_loss"] == final
+    assert not client.get_metric_history(runs["pretrain"].info.run_id, "train/loss")  # no zig-zag of two curves
     assert all(r.info.status == "FINISHED" for r in runs.values())
+    # one key, one quantity: every stage's keys under its section (the training stages share `train`)
+    section = dict.fromkeys(("base", "pretrain", "sft", *curriculum), "train")
+    for name, r in runs.items():
+        assert r.data.metrics and all(k.startswith(f"{section.get(name, name)}/") for k in r.data.metrics), name
     assert runs["pack"].data.params["pack.seed"] == "0"
-    assert runs["pack"].data.metrics["tokens_per_s"] > 0
-    assert runs["tokenize"].data.metrics["code_repos.kept_docs"] > 0
+    assert runs["pack"].data.metrics["pack/tokens_per_s"] > 0
+    assert runs["tokenize"].data.metrics["tokenize/code_repos.kept_docs"] > 0
     assert runs["corpora"].data.tags["git.commit"]
     artifacts = {a.path for a in client.list_artifacts(runs["tokenize"].info.run_id)}
     assert {"length_hist.png", "length_table.txt"} <= artifacts
     # the training chain: base -> pretrain (two curriculum stages, base change) -> sft
-    assert len(client.get_metric_history(runs["base"].info.run_id, "loss")) == 4
+    assert len(client.get_metric_history(runs["base"].info.run_id, "train/loss")) == 4
     pretrain = json.loads((ws / "metrics/pretrain.json").read_text())
     assert set(pretrain) == {"stage1", "stage2"} and all(v["val_loss"] > 0 for v in pretrain.values())
     stage2 = json.loads((ws / "models/pretrain/stage2/longctx_config.json").read_text())["model"]
@@ -72,7 +77,7 @@ def test_dvc_repro_runs_the_stages_and_tracks_them(workspace):
     factors = json.loads((ws / "models/rope_search/factors.json").read_text())
     assert factors["rope_type"] == "longrope" and len(factors["long_factor"]) == 4
     assert min(factors["long_factor"][search["summary"]["critical_index_searched"]:]) >= 2.0  # >= s
-    assert len(client.get_metric_history(runs["rope_search"].info.run_id, "search.best_needle_nll")) == 3
+    assert len(client.get_metric_history(runs["rope_search"].info.run_id, "rope_search/search.best_needle_nll")) == 3
     assert {"rope_factors.png", "table.csv"} <= {a.path for a in client.list_artifacts(runs["rope_search"].info.run_id)}
     # eval: every checkpoint, the same prompts at every length, also past a checkpoint's window (marked)
     ev = json.loads((ws / "metrics/eval.json").read_text())
@@ -89,7 +94,7 @@ def test_dvc_repro_runs_the_stages_and_tracks_them(workspace):
     prompts = (ws / "reports/eval/prompts.jsonl").read_text().splitlines()
     assert len(prompts) == 11 * 2 * 4
     assert "| sft |" in (ws / "reports/eval/comparison.md").read_text()
-    assert runs["eval"].data.metrics["sft.prompts_per_s"] > 0
+    assert runs["eval"].data.metrics["eval/sft.prompts_per_s"] > 0
     assert "comparison.md" in {a.path for a in client.list_artifacts(runs["eval"].info.run_id)}
 
 

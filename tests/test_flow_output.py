@@ -97,6 +97,6 @@ def test_the_final_table_shows_every_task_at_every_length_and_names_the_best(tmp
 def test_the_parent_run_gets_the_headline_results():
     ev = {"tasks": {"base": {"passkey": {"512": 1.0, "2048": 0.0}, "kv": {"512": 0.5, "2048": 0.0}}},
           "ppl_by_length": {"base": {"512": 20.0, "2048": 90.0}}}
-    assert flows.headline(ev) == {"base.tasks_at_512": 0.75, "base.tasks_at_2048": 0.0, "base.ppl_at_512": 20.0,
-                                  "base.ppl_at_2048": 90.0}
+    assert flows.headline(ev) == {"results/base.tasks_at_512": 0.75, "results/base.tasks_at_2048": 0.0,
+                                  "results/base.ppl_at_512": 20.0, "results/base.ppl_at_2048": 90.0}
     assert flows.headline(None) == {} and flows.headline({"skipped": True}) == {}

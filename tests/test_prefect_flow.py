@@ -69,7 +69,8 @@ def test_failure_then_resume_and_mlflow_parent_runs(tmp_path, monkeypatch, harne
                                  order_by=["attributes.start_time DESC"])
     assert len(parents) == 2 and parents[0].info.status == "FINISHED"
     assert parents[0].data.tags["longctx.profile"] == "tiny" and parents[0].data.tags["git.commit"]
-    assert {"base.tasks_at_256", "sft.tasks_at_512", "sft.ppl_at_512"} <= set(parents[0].data.metrics)
+    headline = {"results/base.tasks_at_256", "results/sft.tasks_at_512", "results/sft.ppl_at_512"}
+    assert headline <= set(parents[0].data.metrics)
     assert children(client, parents[0]) == {"eval": "FINISHED"}  # DVC skipped the finished stages
     assert os.path.isfile(ws / "metrics/eval.json")
 

@@ -43,14 +43,18 @@ def tracking_uri(cfg: TrackingParams, root: Path) -> str:
 
 
 class Tracker:
-    """What a stage logs; a disabled tracker accepts the same calls and records nothing."""
+    """What a stage logs; a disabled tracker accepts the same calls and records nothing. Metric
+    keys are written `<section>/<key>`: one key is one quantity across the experiment (a pack's
+    tokens/s is `pack/tokens_per_s`, training's `train/tokens_per_s` in every training stage), and
+    MLflow's chart view groups each section."""
 
-    def __init__(self, mlflow=None):
+    def __init__(self, mlflow=None, section: str = ""):
         self._mlflow = mlflow
+        self.section = section
 
     def metrics(self, values: dict[str, float], step: int | None = None) -> None:
         if self._mlflow:
-            clean = {k: float(v) for k, v in values.items() if isinstance(v, (int, float))}
+            clean = {f"{self.section}/{k}": float(v) for k, v in values.items() if isinstance(v, (int, float))}
             self._mlflow.log_metrics(clean, step=step)
 
     def artifact(self, path: Path, folder: str | None = None) -> None:
@@ -76,7 +80,7 @@ class Tracker:
         inherited = {k: v for k, v in parent.data.tags.items() if not k.startswith("mlflow.")}
         with self._mlflow.start_run(experiment_id=parent.info.experiment_id, run_name=name, nested=True,
                                     tags=inherited | tags):
-            yield Tracker(self._mlflow)
+            yield Tracker(self._mlflow, self.section)
 
 
 def git_commit(root: Path) -> str | None:
@@ -116,8 +120,10 @@ def experiment_id(cfg: TrackingParams, root: Path) -> str:
 
 
 @contextlib.contextmanager
-def stage_run(cfg: TrackingParams, root: Path, stage: str, params: dict[str, Any]) -> Iterator[Tracker]:
-    """An MLflow run for one stage; it ends FAILED if the stage raises."""
+def stage_run(cfg: TrackingParams, root: Path, stage: str, params: dict[str, Any],
+              section: str | None = None) -> Iterator[Tracker]:
+    """An MLflow run for one stage, its metrics under `section` (default: the stage's name); it
+    ends FAILED if the stage raises."""
     if not cfg.enabled:
         yield Tracker()
         return
@@ -130,7 +136,7 @@ def stage_run(cfg: TrackingParams, root: Path, stage: str, params: dict[str, Any
         items = [(k, str(v)[:MAX_PARAM_CHARS]) for k, v in params.items()]
         for i in range(0, len(items), 100):
             mlflow.log_params(dict(items[i:i + 100]))
-        yield Tracker(mlflow)
+        yield Tracker(mlflow, section or stage)
 
 
 def open_run(cfg: TrackingParams, root: Path, stage: str, name: str, tags: dict[str, str] | None = None) -> str | None:
@@ -148,7 +154,7 @@ def open_run(cfg: TrackingParams, root: Path, stage: str, name: str, tags: dict[
 def end_run(cfg: TrackingParams, root: Path, run_id: str | None, ok: bool, text: dict[str, str] | None = None,
             metrics: dict[str, float] | None = None) -> None:
     """Close a run from `open_run`, FINISHED or FAILED, with `text` files (name: content) attached
-    and `metrics` logged."""
+    and `metrics` logged (keys as given: the caller names their section)."""
     if run_id is None:
         return
     from mlflow.tracking import MlflowClient
