@@ -48,7 +48,9 @@ class Tracker:
     tokens/s is `pack/tokens_per_s`, training's `train/tokens_per_s` in every training stage), and
     MLflow's chart view groups each section."""
 
-    def __init__(self, mlflow=None, section: str = ""):
+    def __init__(self, mlflow=None, section: str | None = None):
+        if mlflow is not None and not section:
+            raise ValueError("a recording tracker needs the section its metric keys go under")
         self._mlflow = mlflow
         self.section = section
 
