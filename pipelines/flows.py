@@ -14,6 +14,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 from contextlib import contextmanager
@@ -117,7 +118,7 @@ def run_stage(workspace: str, stage: str, parent_run: str | None, tracking_uri: 
         proc = subprocess.Popen(["dvc", "repro", stage], cwd=ws, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, bufsize=1)
         tail: list[str] = []
-        console = Console()
+        console = Console(stage)
         for raw in proc.stdout:
             if (line := console.shown(raw)) is not None:
                 log.info("%s | %s", stage, line)
@@ -132,17 +133,24 @@ def run_stage(workspace: str, stage: str, parent_run: str | None, tracking_uri: 
 
 class Console:
     """What of a stage's output the flow logs: every line but blank ones, progress bars' running
-    states (a bar's final state once: tqdm prints it again right after, when it closes) and DVC's
-    per-stage git hints (the flow gives one at its end)."""
+    states (a bar's final state once: tqdm prints it again right after, when it closes; bars
+    without a total have no final state and show nothing), DVC's per-stage git and remote hints
+    and lock-file notes (the flow gives one hint at its end), and DVC's word on the upstream
+    stages it skips (`stage`, the one run, still says so when it is skipped)."""
 
-    HINTS = ("To track the changes with git", "git add ", "To enable auto staging", "dvc config core.autostage")
+    HINTS = ("To track the changes with git", "git add ", "To enable auto staging", "dvc config core.autostage",
+             "Use `dvc push`", "Updating lock file", "Generating lock file")
+    COUNTER = re.compile(r"^.*: \d+\w* \[\d+:\d+(:\d+)?, [^]]*\]$")
+    """A tqdm bar without a total: 'corpora books: 21doc [00:01, 18.64doc/s]'."""
 
-    def __init__(self):
+    def __init__(self, stage: str | None = None):
         self.bar: str | None = None
+        self.skip = re.compile(r"^Stage '(?!{}')[^']+' didn't change, skipping$".format(re.escape(stage or "")))
 
     def shown(self, raw: str) -> str | None:
         line = raw.rstrip("\n").split("\r")[-1]
-        if not line.strip() or line.strip().startswith(self.HINTS):
+        quiet = line.strip()
+        if not quiet or quiet.startswith(self.HINTS) or self.skip.match(quiet) or self.COUNTER.match(quiet):
             return None
         bar = line.split("100%|")[0] if "100%|" in line else None
         if ("%|" in line and bar is None) or (bar is not None and bar == self.bar):

@@ -32,6 +32,8 @@ SMALL = {
         "docstrings": {"sources": [{"builtin": "stdlib_short", "part": "docstrings", "max_bytes": 300_000}]},
         "modules": {"sources": [{"builtin": "stdlib_short", "part": "modules", "max_bytes": 400_000}]},
         "chat": {"sources": [{"builtin": "stdlib_sft", "max_bytes": 300_000}]},
+        "retrieval": {"sources": [{"synthetic": {"min_chars": 100, "max_chars": 900}, "max_bytes": 300_000}]},
+        "retrieval_long": {"sources": [{"synthetic": {"min_chars": 300, "max_chars": 1800}, "max_bytes": 200_000}]},
     }},
     "tokenize": {"tokenizer": {"train": {"vocab_size": 1024, "sample_bytes": 1_000_000}},
                  "long_min_tokens": 512, "num_workers": 1, "shard_tokens": 200_000},

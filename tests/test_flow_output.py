@@ -1,6 +1,7 @@
 """What the pipeline flow shows of a stage's output (no Prefect server needed): DVC's per-stage
-git hints and progress bars' running states are dropped, a bar's final state shown once, and a
-machine without GPUs waits on no concurrency slot."""
+hints, lock-file notes and skipped upstream stages and progress bars' running states are
+dropped, a bar's final state shown once, and a machine without GPUs waits on no concurrency
+slot."""
 
 from __future__ import annotations
 
@@ -13,8 +14,12 @@ from conftest import GIT_ENV
 from pipelines import flows
 
 # what `dvc repro pack` and a training stage print (DVC 3.67's hint; tqdm's bars through a pipe)
-OUTPUT = """Running stage 'pack':
+OUTPUT = """Stage 'corpora' didn't change, skipping
+Stage 'tokenize' didn't change, skipping
+Running stage 'pack':
 > python -m stages.pack
+corpora books: 0doc [00:00, ?doc/s]\rcorpora books: 21doc [00:01, 18.64doc/s]
+corpora books: 116doc [00:02, 61.20doc/s]
 pack stage1/train:   0%|          | 0/594 [00:00<?, ?seq/s]\rpack stage1/train:  50%|#####     | 297/594 [00:01<00:01]
 pack stage1/train: 100%|##########| 594/594 [00:02<00:00, 290seq/s]
 pack stage1/train: 100%|##########| 594/594 [00:02<00:00, 290seq/s]
@@ -24,6 +29,7 @@ stage1    2048        594
 train: 100%|##########| 4/4 [00:01<00:00, 3.2step/s, loss=6.1]
 base: val loss 6.0
 train: 100%|##########| 4/4 [00:01<00:00, 3.1step/s, loss=5.9]
+Generating lock file 'dvc.lock'
 Updating lock file 'dvc.lock'
 
 To track the changes with git, run:
@@ -33,19 +39,25 @@ To track the changes with git, run:
 To enable auto staging, run:
 
 \tdvc config core.autostage true
+Use `dvc push` to send your updates to remote storage.
 """
 
 
 def test_the_flow_log_keeps_what_a_person_reads():
-    console = flows.Console()
+    console = flows.Console("pack")
     shown = [line for raw in OUTPUT.splitlines() if (line := console.shown(raw)) is not None]
     assert shown == [
         "Running stage 'pack':", "> python -m stages.pack",
         "pack stage1/train: 100%|##########| 594/594 [00:02<00:00, 290seq/s]",
         "split  seq_len  sequences", "stage1    2048        594",
         "train: 100%|##########| 4/4 [00:01<00:00, 3.2step/s, loss=6.1]", "base: val loss 6.0",
-        "train: 100%|##########| 4/4 [00:01<00:00, 3.1step/s, loss=5.9]",  # another bar of the same name
-        "Updating lock file 'dvc.lock'"]
+        "train: 100%|##########| 4/4 [00:01<00:00, 3.1step/s, loss=5.9]"]  # another bar of the same name
+
+
+def test_the_stage_run_still_says_it_was_skipped():
+    console = flows.Console("pack")
+    assert console.shown("Stage 'pack' didn't change, skipping\n") == "Stage 'pack' didn't change, skipping"
+    assert console.shown("Stage 'packing' didn't change, skipping\n") is None
 
 
 def test_one_git_hint_when_dvc_lock_changed(tmp_path_factory):

@@ -145,6 +145,27 @@ def test_sft_tails_are_dropped_and_masks_mark_assistant_turns(small_project):
     assert len(docs) == len(set(docs))
 
 
+def test_whole_documents_are_never_cut_across_chunks(small_project):
+    """Synthetic retrieval documents (kind whole): each starts a chunk or follows a whole one;
+    only a chunk's last document may lose its tail, which starts no other chunk."""
+    ds = PackedDataset(small_project / "data/packed/base/train")
+    reader = ShardReader(small_project / "data/tokens/retrieval")
+    truncated = whole = 0
+    for i in range(len(ds)):
+        segs = [s for s in ds.segments[ds.seq_segments[i]:ds.seq_segments[i + 1]]
+                if ds.domains[s["domain"]] == "retrieval"]
+        for j, s in enumerate(segs):
+            assert s["start"] == 0
+            if int(s["length"]) < int(reader.docs[int(s["doc"])]["length"]):
+                assert j == len(segs) - 1
+                truncated += 1
+            else:
+                whole += 1
+    docs = [int(s["doc"]) for s in ds.segments if ds.domains[s["domain"]] == "retrieval"]
+    assert len(docs) == len(set(docs))
+    assert whole > truncated > 0
+
+
 def test_achieved_proportions_match_the_request(small_project):
     cfg = config.load(small_project / "params.yaml")
     manifest = json.loads((small_project / "data/packed/manifest.json").read_text())
@@ -159,9 +180,10 @@ def test_achieved_proportions_match_the_request(small_project):
             outside = abs(counts[domain] / total - want) > cfg.pack.tolerance
             assert outside == (domain in reported), (split, part, domain)
             assert not (outside and part == "train")  # a training mix off the request is an error
-        if part == "train":  # the training parts have enough data to be close
+        if part == "train":  # close, up to the chunks given up to fill whole sequences
+            slack = 0.01 + ds.seq_len / total
             for domain, want in cfg.flat_mix(split).items():
-                assert abs(counts[domain] / total - want) < 0.01, (split, domain, counts[domain] / total)
+                assert abs(counts[domain] / total - want) < slack, (split, domain, counts[domain] / total)
     assert set(manifest["splits"]) == set(cfg.pack.splits)
 
 

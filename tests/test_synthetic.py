@@ -32,17 +32,23 @@ def test_documents_are_seeded_and_of_the_requested_lengths():
 
 
 def test_every_document_asks_what_its_own_text_holds():
-    for text in synthetic(30):
-        context, qa = text.rsplit("\n\n", 1)
-        question, answer = qa.split("\n")
-        if question == tasks.PASSKEY_ASK[0]:
-            key = re.fullmatch(r"The pass key is (\d{6})\.", answer).group(1)
-            assert tasks.passkey_needle(key) in context
-        else:
-            key = re.search(r"for (\S+) mentioned", question).group(1)
-            value = re.search(r"are (\d{7})\.$", answer).group(1)
-            assert tasks.niah_needle(key, value) in context
-            assert (question, answer.rsplit(" ", 1)[0]) == tasks.niah_ask([key])
+    for text in synthetic(40, formats=["passkey", "kv", "multikey", "multiquery"]):
+        context, *qas = text.split("\n\n")
+        asked = []
+        for qa in qas:
+            question, answer = qa.split("\n")
+            if question == tasks.PASSKEY_ASK[0]:
+                key = re.fullmatch(r"The pass key is (\d{6})\.", answer).group(1)
+                assert tasks.passkey_needle(key) in context
+            else:
+                key = re.search(r"for (\S+) mentioned", question).group(1)
+                value = re.search(r"are (\d{7})\.$", answer).group(1)
+                assert tasks.niah_needle(key, value) in context
+                assert (question, answer.rsplit(" ", 1)[0]) == tasks.niah_ask([key])
+                asked.append(key)
+        needles = context.count("special magic numbers for")
+        if len(qas) > 1:  # multiquery: every needle asked once, several per document
+            assert sorted(asked) == sorted(set(asked)) and len(asked) == needles >= 2
 
 
 def test_no_document_holds_an_eval_prompts_key():

@@ -35,8 +35,8 @@ class SyntheticParams(Strict):
     answer; lengths log-uniform between the bounds, in characters (the tokenizer is trained
     after the corpora)."""
 
-    formats: list[Literal["passkey", "kv", "multikey"]] = Field(default_factory=lambda: ["passkey", "kv", "multikey"],
-                                                                  min_length=1)
+    formats: list[Literal["passkey", "kv", "multikey", "multiquery"]] = Field(
+        default_factory=lambda: ["passkey", "kv", "multikey"], min_length=1)
     min_chars: PositiveInt = 1000
     max_chars: PositiveInt = 30000
 
@@ -93,9 +93,11 @@ class SourceParams(Strict):
 
 
 class DomainParams(Strict):
-    kind: Literal["long", "short", "sft"]
+    kind: Literal["long", "short", "whole", "sft"]
     """long: filtered by length and cut into single-document chunks; short: packed with
-    carry-over; sft: conversations packed with an assistant-only loss mask."""
+    carry-over; whole: packed without cutting a document across chunks (retrieval documents keep
+    their questions with their needles); sft: conversations packed with an assistant-only loss
+    mask."""
     sources: list[SourceParams] = Field(min_length=1)
 
 

@@ -5,7 +5,9 @@ Each domain gives *chunks*, the units of the mix:
          last piece shorter than L is unused);
   short  documents are concatenated into L-token chunks; the truncated tail of the last one
          starts the next chunk, so no token is lost;
-  sft    conversations are concatenated into L-token chunks; the truncated tail is dropped.
+  whole  documents are concatenated into L-token chunks; the one that overflows loses its tail,
+         so no document is split over two chunks (a retrieval question never loses its needle);
+  sft    conversations, packed as whole documents (with their loss masks).
 A split asks for token shares per domain (and, for long domains, per chunk length). Chunks
 shorter than the sequence length are shuffled together and placed side by side; every piece
 of a document is a segment whose boundaries the attention masks and position ids use.
@@ -108,9 +110,10 @@ class ShortChunks:
         return out
 
 
-class SftChunks:
-    """Conversations concatenated in pool order; the one that overflows a chunk is truncated
-    and its tail dropped, so each chunk starts with a whole conversation."""
+class WholeChunks:
+    """Documents (conversations) concatenated in pool order; the one that overflows a chunk is
+    truncated and its tail dropped, so each chunk starts with a whole document and no document
+    continues into another chunk."""
 
     def __init__(self, pool: Pool, length: int):
         self.pool = pool
@@ -158,7 +161,7 @@ class SplitPlan:
     seq_len: int
     tokens: int
     sequences: list[list[tuple[str, int, int]]]  # per sequence: (domain, chunk length, chunk index)
-    sources: dict[str, LongChunks | ShortChunks | SftChunks]
+    sources: dict[str, LongChunks | ShortChunks | WholeChunks]
 
 
 class Planner:
@@ -172,13 +175,13 @@ class Planner:
             for d, share in cfg.flat_mix(split).items()
             for length, w in cfg.chunk_lengths(split, d).items()
         }
-        self.fixed: dict[str, ShortChunks | SftChunks] = {}
+        self.fixed: dict[str, ShortChunks | WholeChunks] = {}
         for d in cfg.flat_mix(split):
             pool = pools[d]
             if pool.kind == "short":
                 self.fixed[d] = ShortChunks(pool, self.spec.base_len)
-            elif pool.kind == "sft":
-                self.fixed[d] = SftChunks(pool, self.spec.base_len)
+            elif pool.kind in ("whole", "sft"):
+                self.fixed[d] = WholeChunks(pool, self.spec.base_len)
 
     def need(self, tokens: int) -> dict[tuple[str, int], int]:
         """Chunks per (domain, length) for `tokens`; chunks shorter than a sequence come in
@@ -268,7 +271,7 @@ def write_split(plan: SplitPlan, folder: Path, domains: list[str], dtype: np.dty
     """Write one planned split; returns tokens per domain."""
     folder.mkdir(parents=True, exist_ok=True)
     domain_id = {d: i for i, d in enumerate(domains)}
-    sft = any(isinstance(s, SftChunks) for s in plan.sources.values())
+    sft = any(s.pool.kind == "sft" for s in plan.sources.values())
     per_domain = dict.fromkeys(plan.sources, 0)
     seq_segs = [0]
     with contextlib.ExitStack() as stack:

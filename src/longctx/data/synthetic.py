@@ -1,8 +1,9 @@
 """Synthetic retrieval documents: seeded, procedurally generated texts in the formats the eval
-tasks ask about (eval/tasks.py: a pass key, a key-value needle, one needle among distractors),
-each ending with its question and answer, so a small model can learn to retrieve inside its
-window and the tiny profile can show whether that survives beyond it. ProLong's recipe has no
-synthetic data; only the tiny profile uses this source.
+tasks ask about (eval/tasks.py: a pass key, a key-value needle, one needle among distractors,
+several needles each asked in turn), each ending with its questions and answers, so a small
+model can learn to retrieve inside its window and the tiny profile can show whether that
+survives beyond it. ProLong's recipe has no synthetic data; only the tiny profile uses this
+source.
 
 Disjoint from evaluation by construction: pass keys have six digits (eval's have five) and
 needle keys are drawn from words eval never uses (TRAIN_WORDS), so no training document holds an
@@ -19,7 +20,10 @@ import numpy as np
 
 from ..eval.tasks import NOISE, PASSKEY_ASK, WORDS, niah_ask, niah_needle, passkey_needle
 
-FORMATS = ("passkey", "kv", "multikey")
+FORMATS = ("passkey", "kv", "multikey", "multiquery")
+MULTIQUERY_CHARS = 400
+"""multiquery: one needle per this many characters (2 to 8), every one asked, in random order:
+several answers per document for the same filler (RULER's multi-query, one key per question)."""
 TRAIN_WORDS = ["alder", "bramble", "canyon", "dahlia", "elm", "fennel", "glacier", "hazel", "ivy", "jade",
                "kestrel", "larch", "meadow", "nettle", "oak", "poplar", "quince", "reed", "sorrel", "tarn",
                "umbra", "verbena", "wisteria", "yucca", "zinnia", "aspen", "basil", "coral", "dogwood", "esker"]
@@ -43,13 +47,14 @@ def _document(fmt: str, chars: int, rng: np.random.Generator) -> str:
     if fmt == "passkey":
         key = str(int(rng.integers(100_000, 1_000_000)))
         needles, (question, prefix), answer = [passkey_needle(key)], PASSKEY_ASK, key
+        qa = f"{question}\n{prefix} {answer}."
     else:
-        keys = list(dict.fromkeys(_key(rng) for _ in range(1 if fmt == "kv" else 4)))
+        n = {"kv": 1, "multikey": 4}.get(fmt) or min(8, max(2, chars // MULTIQUERY_CHARS))
+        keys = list(dict.fromkeys(_key(rng) for _ in range(n)))
         values = [str(int(rng.integers(1_000_000, 10_000_000))) for _ in keys]
         needles = [niah_needle(k, v) for k, v in zip(keys, values, strict=True)]
-        ask = int(rng.integers(len(keys)))
-        (question, prefix), answer = niah_ask([keys[ask]]), values[ask]
-    qa = f"{question}\n{prefix} {answer}."
+        asked = rng.permutation(len(keys)) if fmt == "multiquery" else [int(rng.integers(len(keys)))]
+        qa = "\n\n".join("{}\n{} {}.".format(*niah_ask([keys[i]]), values[i]) for i in asked)
     room = max(0, chars - len(qa) - sum(map(len, needles)))
     filler = [NOISE] * max(1, room // len(NOISE))
     for needle in needles:

@@ -22,7 +22,7 @@ from ..model.decode import generate
 from ..model.hf import native_config
 from ..model.loss import IGNORE
 from ..model.transformer import Transformer
-from . import helmet, lm_harness, needle, tasks
+from . import helmet, needle, tasks
 from .report import mean_scores
 
 
@@ -220,6 +220,8 @@ def evaluate(results: dict, name: str, model: Transformer, folder: Path, enc: En
     results["throughput"][name] = speed
     curve = perplexities(results, name, model, data, enc.tok, ec)
     if ec.lm_eval_tasks:
+        from . import lm_harness  # lm-eval only when its tasks are asked for (GPU images lack it)
+
         lm_harness.retention(results, name, model, enc.tok, ec)
     if short is not None:
         seqs = [short[i] for i in range(min(ec.retention_sequences, len(short)))]
