@@ -21,26 +21,38 @@ from .flows import pipeline  # noqa: E402
 
 
 def summary(ws: Path) -> str:
-    """Each checkpoint's score on every task at every evaluated length, its perplexities, and a
-    line naming the best checkpoint at the longest length."""
+    """One column per checkpoint: its score on every task at every evaluated length (a block per
+    length, with the mean), its perplexities, and a line naming the best checkpoint at the
+    longest length."""
     ev = json.loads((ws / "metrics" / "eval.json").read_text())
     lengths, means = length_means(ev["tasks"])
     windows = ev.get("windows", {})  # (absent from results of older runs)
+    ckpts = list(ev["tasks"])
     tasks = sorted({t for by_task in ev["tasks"].values() for t in by_task})
-    head = ["checkpoint", *[f"{t}@{n}" for n in lengths for t in tasks], "ppl@longest", "needle ppl@longest",
-            "short ppl"]
-    rows = [head]
-    for ckpt, by_task in ev["tasks"].items():
-        cells = [ckpt, *(f"{by_task[t][str(n)]:.2f}{BEYOND if beyond(windows, ckpt, n) else ''}"
-                         if str(n) in by_task.get(t, {}) else "-" for n in lengths for t in tasks)]
-        ppl, needle = ev["ppl_by_length"].get(ckpt, {}), ev["needle_ppl"].get(ckpt, {})
-        top = max(ppl, key=int) if ppl else None
-        cells += [f"{ppl[top]:.1f}" if top else "n/a", f"{needle[top]:.1f}" if top in needle else "n/a",
-                  f"{ev['retention_ppl'][ckpt]:.1f}" if ckpt in ev["retention_ppl"] else "n/a"]
-        rows.append(cells)
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    table = "\n".join("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
-                      for r in rows)
+
+    def score(ckpt: str, value: float | None, n: int) -> str:
+        return "-" if value is None else f"{value:.2f}{BEYOND if beyond(windows, ckpt, n) else ''}"
+
+    rows = [["", *ckpts]]
+    for n in lengths:
+        rows.append([f"at {n} tokens"])
+        rows += [[f"  {t}", *(score(c, ev["tasks"][c].get(t, {}).get(str(n)), n) for c in ckpts)] for t in tasks]
+        rows.append(["  mean", *(score(c, means[c].get(n), n) for c in ckpts)])
+
+    def ppl(table: dict, ckpt: str) -> str:
+        by = table.get(ckpt, {})
+        top = max(ev["ppl_by_length"].get(ckpt, {}), key=int, default=None)
+        return f"{by[top]:.1f}" if top in by else "n/a"
+
+    tops = {max(by, key=int) for by in ev["ppl_by_length"].values() if by}
+    at = f"{tops.pop()} tokens" if len(tops) == 1 else "the longest length"
+    rows += [["perplexity"], [f"  at {at}", *(ppl(ev["ppl_by_length"], c) for c in ckpts)],
+             [f"  needle at {at}", *(ppl(ev["needle_ppl"], c) for c in ckpts)],
+             ["  short context", *(f"{ev['retention_ppl'][c]:.1f}" if c in ev["retention_ppl"] else "n/a"
+                                   for c in ckpts)]]
+    width = [max(len(r[i]) for r in rows if len(r) > i) for i in range(len(ckpts) + 1)]
+    table = "\n".join("  ".join([r[0].ljust(width[0]), *(c.rjust(w) for c, w in zip(r[1:], width[1:], strict=False))])
+                       .rstrip() for r in rows)  # (a block's heading row has one cell)
     if any(beyond(windows, c, n) for c in ev["tasks"] for n in lengths):
         table += f"\n{BEYOND} beyond the checkpoint's window (the length it was trained to)"
     longest = lengths[-1] if lengths else None
@@ -60,7 +72,7 @@ def main() -> None:
     pipeline(str(ws))
     print(f"\nlongctx pipeline finished in {time.perf_counter() - start:.0f} s\n")
     print(summary(ws))
-    print("\nppl@longest: the longest length with validation documents (all of it in metrics/eval.json)")
+    print("\nperplexity at the longest length with validation documents; every length in metrics/eval.json")
     print(f"open the runs:  mlflow ui --backend-store-uri sqlite:///{ws / 'mlflow.db'}")
 
 

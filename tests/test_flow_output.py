@@ -91,15 +91,19 @@ def test_the_final_table_shows_every_task_at_every_length_and_names_the_best(tmp
     ev = {"tasks": {"base": {"passkey": {"512": 1.0, "2048": 0.0}, "kv": {"512": 0.5, "2048": 0.0}},
                     "pretrain_stage2": {"passkey": {"512": 1.0, "2048": 0.75}, "kv": {"512": 0.5, "2048": 0.25}}},
           "ppl_by_length": {"base": {"512": 20.0, "2048": 90.0}, "pretrain_stage2": {"512": 19.0, "2048": 25.0}},
-          "needle_ppl": {"base": {"2048": 40.0}}, "retention_ppl": {"base": 21.5}}
+          "needle_ppl": {"base": {"2048": 40.0}}, "retention_ppl": {"base": 21.5},
+          "windows": {"base": 512, "pretrain_stage2": 8192}}
     (tmp_path / "metrics").mkdir()
     (tmp_path / "metrics/eval.json").write_text(json.dumps(ev))
     lines = summary(tmp_path).splitlines()
-    assert lines[0].split() == ["checkpoint", "kv@512", "passkey@512", "kv@2048", "passkey@2048", "ppl@longest",
-                                "needle", "ppl@longest", "short", "ppl"]
-    assert lines[1].split() == ["base", "0.50", "1.00", "0.00", "0.00", "90.0", "40.0", "21.5"]
-    assert lines[2].split() == ["pretrain_stage2", "0.50", "1.00", "0.25", "0.75", "25.0", "n/a", "n/a"]
-    assert lines[3] == "best at 2048 tokens: pretrain_stage2 (mean task score 0.50)"
+    assert [line.split() for line in lines] == [
+        ["base", "pretrain_stage2"],
+        ["at", "512", "tokens"], ["kv", "0.50", "0.50"], ["passkey", "1.00", "1.00"], ["mean", "0.75", "0.75"],
+        ["at", "2048", "tokens"], ["kv", "0.00*", "0.25"], ["passkey", "0.00*", "0.75"], ["mean", "0.00*", "0.50"],
+        ["perplexity"], ["at", "2048", "tokens", "90.0", "25.0"], ["needle", "at", "2048", "tokens", "40.0", "n/a"],
+        ["short", "context", "21.5", "n/a"],
+        ["*", "beyond", "the", "checkpoint's", "window", "(the", "length", "it", "was", "trained", "to)"],
+        ["best", "at", "2048", "tokens:", "pretrain_stage2", "(mean", "task", "score", "0.50)"]]
     ev["tasks"]["pretrain_stage2"] = ev["tasks"]["base"]
     (tmp_path / "metrics/eval.json").write_text(json.dumps(ev))
     last = summary(tmp_path).splitlines()[-1]

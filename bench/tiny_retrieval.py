@@ -1,0 +1,257 @@
+"""What it takes for the tiny profile's base model to retrieve (issue 18): train a small model on
+synthetic retrieval documents (data/synthetic.py, the corpora stage's source) mixed with real
+short text, and score the eval's own passkey and NIAH-single prompts (eval/suite.py) at the
+window's length as training goes, with the teacher-forced loss of their answers (it falls
+before greedy answers come right). The training is the stages' math in fp32 on any device (the
+CPU's path), so a GPU runs many variants side by side, one process each, far faster than the
+2-core machine the tiny profile is timed on; `train_s` here is the GPU's, not that machine's.
+
+    python bench/tiny_retrieval.py --tokens data/tokens --variants tiny d128 --parallel 2 --out bench/results
+
+`--tokens`: a tokenize stage's output (its tokenizer and the --text domains' shards). Findings:
+bench/tiny_retrieval_notes.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import itertools
+import json
+import multiprocessing
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from longctx.data.loader import Sample
+from longctx.data.shards import ShardReader
+from longctx.data.synthetic import documents
+from longctx.data.tokenizer import TextTokenizer
+from longctx.eval import tasks
+from longctx.eval.suite import Encoder, build_prompts
+from longctx.model.config import ModelConfig, RopeConfig
+from longctx.model.decode import generate
+from longctx.perf import write_result
+from longctx.train.loop import make_batch
+from longctx.train.models import build
+from longctx.train.optim import adamw, lr_at
+
+Sequence = tuple[np.ndarray, list[int]]
+"""A packed sequence: token ids and its document lengths."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """Defaults: the tiny profile's base stage (src/longctx/profiles/tiny.yaml)."""
+
+    steps: int = 1000
+    batch: int = 16
+    seq_len: int = 512
+    lr: float = 6e-3
+    lr_min: float = 6e-4
+    warmup: float = 0.05
+    weight_decay: float = 0.1
+    d_model: int = 64
+    n_layers: int = 4
+    n_heads: int = 2
+    ffn_dim: int = 192
+    theta: float = 10000.0
+    share: float = 0.9
+    """Token share of synthetic sequences (the rest real short text)."""
+    formats: tuple[str, ...] = ("passkey", "kv", "multiquery")
+    min_chars: int = 120
+    max_chars: int = 1200
+    whole: bool = True
+    """Documents never cut across sequences (the pack stage's kind `whole`); False: cut with
+    carry-over (kind `short`)."""
+    seed: int = 0
+
+
+VARIANTS: dict[str, Variant] = {
+    "tiny": Variant(),
+    "tiny_seed1": Variant(seed=1),
+    "tiny_seed2": Variant(seed=2),
+    "d128": Variant(d_model=128, n_heads=4, ffn_dim=384, lr=3e-3, lr_min=3e-4),
+    "carry": Variant(whole=False),
+    "share07": Variant(share=0.7),
+    "long_docs": Variant(max_chars=2000),
+}
+
+
+class Packed:
+    """In-memory packed sequences in the PackedDataset interface the training loop reads."""
+
+    def __init__(self, seqs: list[Sequence]):
+        self.seqs = seqs
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    def __getitem__(self, i: int) -> Sample:
+        ids, lens = self.seqs[i]
+        return Sample(ids, np.asarray(lens, dtype=np.int64), np.zeros(len(lens), dtype=np.int64), None)
+
+
+def synthetic_sequences(tok: TextTokenizer, v: Variant, n: int) -> list[Sequence]:
+    docs = documents(v.seed, list(v.formats), v.min_chars, v.max_chars)
+    out, ids, lens = [], [], []
+    carry: np.ndarray | None = None
+    while len(out) < n:
+        doc = carry if carry is not None else tok.encode_texts([next(docs)[1]], True, True)[0]
+        carry = None
+        room = v.seq_len - sum(lens)
+        if len(doc) > room:
+            carry = None if v.whole else doc[room:]
+            doc = doc[:room]
+        ids.append(doc)
+        lens.append(len(doc))
+        if sum(lens) == v.seq_len:
+            out.append((np.concatenate(ids).astype(np.int64), lens))
+            ids, lens = [], []
+    return out
+
+
+def text_sequences(readers: list[ShardReader], seq_len: int, n: int) -> list[Sequence]:
+    """Real short documents concatenated and cut every seq_len tokens (carry-over)."""
+    out, ids, lens = [], [], []
+    for reader in itertools.cycle(readers):
+        for d in range(len(reader.docs)):
+            doc = reader.tokens(d).astype(np.int64)
+            while len(doc):
+                take = doc[:seq_len - sum(lens)]
+                ids.append(take)
+                lens.append(len(take))
+                doc = doc[len(take):]
+                if sum(lens) == seq_len:
+                    out.append((np.concatenate(ids), lens))
+                    ids, lens = [], []
+                    if len(out) == n:
+                        return out
+    return out
+
+
+def answer_nll(model, enc: Encoder, prompts: list[tasks.Prompt], device: torch.device) -> float:
+    """Mean per-token loss of each prompt's gold answer (" <gold>.") after the prompt."""
+    total, count = 0.0, 0
+    for p in prompts:
+        ids = enc.prompt(p)
+        gold = enc.tok.tok.encode(" " + p.gold[0] + ".", add_special_tokens=False).ids
+        with torch.no_grad():
+            logits = model(torch.tensor(ids + gold, device=device))[len(ids) - 1:-1].float()
+        total += float(torch.nn.functional.cross_entropy(logits, torch.tensor(gold, device=device), reduction="sum"))
+        count += len(gold)
+    return total / max(count, 1)
+
+
+def scores(model, enc: Encoder, prompts: list[tasks.Prompt], device: torch.device) -> dict:
+    """Each task's accuracy by greedy decoding, and the first answers (to see what it says)."""
+    by_task: dict[str, list[float]] = {}
+    answers = []
+    eos = enc.eos()
+    for p in prompts:
+        ids = enc.prompt(p)
+        with torch.no_grad():
+            out = generate(model, torch.tensor(ids, device=device), p.max_new_tokens, eos)[len(ids):].tolist()
+        text = enc.tok.tok.decode(out[:out.index(eos)] if eos in out else out)
+        by_task.setdefault(p.task, []).append(tasks.score(p, text))
+        answers.append(text[:24])
+    return {t: float(np.mean(s)) for t, s in by_task.items()} | {"answers": answers[:4]}
+
+
+def run(name: str, v: Variant, tok: TextTokenizer, readers: list[ShardReader], device: torch.device,
+        evals: int, lengths: list[int], per_task: int) -> dict:
+    """Train one variant, scoring `evals` times along the way; its rows."""
+    n_syn = round(v.steps * v.batch * v.share)
+    data = synthetic_sequences(tok, v, n_syn) + text_sequences(readers, v.seq_len, v.steps * v.batch - n_syn)
+    data = Packed([data[i] for i in np.random.default_rng(v.seed).permutation(len(data))])
+    cfg = ModelConfig(vocab_size=tok.vocab_size, d_model=v.d_model, n_layers=v.n_layers, n_heads=v.n_heads,
+                      ffn_dim=v.ffn_dim, max_position_embeddings=v.seq_len, rope=RopeConfig(theta=v.theta))
+    model = build(cfg, "sdpa", v.seed, device)  # the CPU's attention path, in fp32 on a GPU too
+    opt = adamw(model, v.lr, (0.9, 0.95), v.weight_decay)
+    enc = Encoder(tok, chat=False)
+    depths = [float(d) for d in np.linspace(0.05, 0.95, per_task)]
+    prompts = build_prompts(enc, ["passkey", "niah_single_noise"], lengths, per_task, depths, 1, "")
+    at = {round(v.steps * (i + 1) / evals) for i in range(evals)}
+    rows, t0, train_s = [], time.perf_counter(), 0.0
+    for step in range(v.steps):
+        s0 = time.perf_counter()
+        b = make_batch(data, list(range(step * v.batch, (step + 1) * v.batch)), device)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, v.steps, v.lr, v.warmup, v.lr_min)
+        loss = model(b.ids, b.cu_seqlens.tolist(), labels=b.labels) / b.valid
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        train_s += time.perf_counter() - s0
+        if step + 1 in at:
+            model.eval()
+            row = {"step": step + 1, "tokens": (step + 1) * v.batch * v.seq_len, "loss": float(loss.detach()),
+                   "train_s": train_s}
+            for n in lengths:
+                at_n = [p for p in prompts if p.length == n]
+                row[f"nll_{n}"] = answer_nll(model, enc, at_n, device)
+                row |= {f"{k}_{n}": s for k, s in scores(model, enc, at_n, device).items()}
+            model.train()
+            rows.append(row)
+            print(name, json.dumps(row), flush=True)
+    return {"variant": name, **dataclasses.asdict(v), "rows": rows, "seconds": time.perf_counter() - t0}
+
+
+def _job(job: tuple[str, Variant, argparse.Namespace]) -> dict:
+    name, v, args = job
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    tok = TextTokenizer.load(args.tokens / "tokenizer")
+    readers = [ShardReader(args.tokens / d) for d in args.text]
+    return run(name, v, tok, readers, device, args.evals, args.lengths, args.prompts)
+
+
+def _parse(kind: str, value: str):
+    if kind.startswith("tuple"):
+        return tuple(value.split(","))
+    return {"int": int, "float": float, "bool": lambda x: x.lower() in ("1", "true")}[kind](value)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=Path, default=Path("data/tokens"))
+    ap.add_argument("--text", nargs="+", default=["docstrings", "modules"], help="domains of real short text")
+    ap.add_argument("--variants", nargs="+", default=["tiny"], choices=sorted(VARIANTS))
+    ap.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE", help="override fields of every variant")
+    ap.add_argument("--evals", type=int, default=5, help="scorings over the run")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[512])
+    ap.add_argument("--prompts", type=int, default=16, help="prompts per task and length")
+    ap.add_argument("--parallel", type=int, default=1, help="variants run side by side (processes)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads per process (0: torch's default)")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    types = {f.name: f.type for f in dataclasses.fields(Variant)}
+    unknown = [kv.split("=", 1)[0] for kv in args.set if kv.split("=", 1)[0] not in types]
+    if unknown:
+        ap.error(f"--set: unknown fields {unknown} (known: {sorted(types)})")
+    overrides = {k: _parse(types[k], v) for k, v in (kv.split("=", 1) for kv in args.set)}
+    jobs = [(n, dataclasses.replace(VARIANTS[n], **overrides), args) for n in args.variants]
+    if args.parallel > 1:
+        spawn = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(args.parallel, mp_context=spawn) as pool:
+            results = list(pool.map(_job, jobs))
+    else:
+        results = [_job(j) for j in jobs]
+    print(f"{'variant':>12} {'tokens':>10}  answer nll / passkey / NIAH-single accuracy, at each length")
+    for r in results:
+        for row in r["rows"]:
+            cells = "  ".join(f"{n}: {row[f'nll_{n}']:.2f} / {row[f'passkey_{n}']:.2f} / "
+                              f"{row[f'niah_single_noise_{n}']:.2f}" for n in args.lengths)
+            print(f"{r['variant']:>12} {row['tokens']:>10,}  {cells}")
+    if args.out:
+        write_result(args.out, "tiny_retrieval", {"results": results}, None if torch.cuda.is_available() else "cpu")
+
+
+if __name__ == "__main__":
+    main()
