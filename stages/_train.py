@@ -12,7 +12,7 @@ from pathlib import Path
 from longctx.config import Params, RunParams, StageParams, flat
 from longctx.data.loader import PackedDataset
 from longctx.errors import DataError
-from longctx.io import atomic_dir, read_json, write_json
+from longctx.io import atomic_dir, clear_stale, read_json, write_json
 from longctx.model.transformer import Transformer
 from longctx.tracking import Tracker, stage_run
 from longctx.train.loop import mean_loss, train
@@ -60,6 +60,7 @@ def tracked(cfg: Params, root: Path, name: str, par: Parallel) -> Iterator[Track
     if not par.main:
         yield Tracker()
         return
+    clear_stale(MODELS, name)  # what a killed run of this stage left beside its output
     with stage_run(cfg.tracking, root, name, params(cfg, name), section="train") as tracker:
         yield tracker
 
@@ -93,10 +94,15 @@ def fit(name: str, stage: StageParams, model: Transformer, init: str, tracker, p
     return model, summary
 
 
+TIMINGS = ("tokens_per_s",)
+"""Summary keys that are measurements of speed: in metrics and MLflow, never in a model folder
+(a DVC output: a rerun that resumes a finished run must write the same bytes)."""
+
+
 def save(model: Transformer, folder: Path, summary: dict) -> None:
-    """The model (ours + HF export, with the tokenizer) and its training summary."""
+    """The model (ours + HF export, with the tokenizer) and its training summary (no timings)."""
     save_model(model, folder, TOKENS / "tokenizer")
-    write_json(folder / "summary.json", summary)
+    write_json(folder / "summary.json", {k: v for k, v in summary.items() if k not in TIMINGS})
 
 
 def write_metrics(name: str, summary: dict) -> None:

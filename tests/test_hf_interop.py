@@ -65,15 +65,30 @@ def test_sharded_checkpoints_load(tmp_path):
         assert (ours(ids) - hf_logits(ref, ids)).abs().max().item() <= 1e-4
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "mistral"])
-def test_other_architectures_import(tmp_path, arch):
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_each_architecture_imports_and_exports_as_itself(tmp_path, arch):
+    """Qwen2 and Mistral come back out as Qwen2 and Mistral (Qwen2's q/k/v biases would make a
+    Llama export expect an o_proj bias that does not exist), with every tensor loaded."""
+    from transformers import AutoModelForCausalLM
+
     ref = hf_model(arch, ROPES["default"])
-    ref.save_pretrained(tmp_path)
-    ours = load_hf(tmp_path).eval()
+    ref.save_pretrained(tmp_path / "in")
+    ours = load_hf(tmp_path / "in").eval()
     ids = torch.randint(0, 101, (20,))
     with torch.no_grad():
         assert (ours(ids) - hf_logits(ref, ids)).abs().max().item() <= 1e-4
     assert ours.cfg.attention_bias == (arch == "qwen2")
+    save_hf(ours, tmp_path / "out")
+    back, info = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32,
+                                                      output_loading_info=True)
+    assert type(back) is type(ref)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert (hf_logits(back.eval(), ids) - hf_logits(ref, ids)).abs().max().item() <= 1e-5
+
+
+def test_qkv_biases_are_qwen2s_layout_alone():
+    with pytest.raises(ValueError, match="attention_bias.*Qwen2's layout, not LlamaForCausalLM's"):
+        ModelConfig(vocab_size=101, d_model=64, n_layers=2, n_heads=4, ffn_dim=96, attention_bias=True)
 
 
 @pytest.mark.parametrize("rope", [

@@ -221,7 +221,7 @@ def test_loader_is_zero_copy(small_project):
 
 def _hashes(folder: Path) -> dict[str, str]:
     return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != "manifest.json"}
+            for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def test_same_seed_gives_byte_identical_outputs(project_copy, small_project):

@@ -5,22 +5,58 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
+import socket
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 
+def _owner() -> str:
+    """Who writes a temporary: this host and process, in its name (see clear_stale)."""
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def clear_stale(folder: str | os.PathLike, name: str | None = None) -> list[Path]:
+    """Remove the temporaries in `folder` (of output `name` only, if given) that a process of
+    this host left and that no longer runs: a killed stage's half-written output. Another live
+    run's temporaries, and other hosts' on a shared disk, are left alone. Returns what went."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    stem = re.escape(name) if name else r".+?"
+    pattern = re.compile(rf"^\.{stem}\.(?:tmp|old)-{re.escape(socket.gethostname())}-(\d+)(?:-.*)?$")
+    removed = []
+    for path in folder.iterdir():
+        if (m := pattern.match(path.name)) and not _running(int(m.group(1))):
+            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
+
+
 @contextlib.contextmanager
 def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
     """Yield a fresh temp directory beside `final`; on success it replaces `final` whole.
 
-    On any exception the temp directory is removed and `final` is left as it was.
+    On any exception the temp directory is removed and `final` is left as it was; what a killed
+    run left beside `final` is removed first.
     """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    clear_stale(final.parent, final.name)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-{_owner()}-", dir=final.parent))
     try:
         yield tmp
     except BaseException:
@@ -28,7 +64,7 @@ def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
         raise
     old = None
     if final.exists():
-        old = final.with_name(f".{final.name}.old-{os.getpid()}")
+        old = final.with_name(f".{final.name}.old-{_owner()}")
         os.replace(final, old)
     os.replace(tmp, final)
     if old is not None:
@@ -38,7 +74,7 @@ def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
 def write_json(path: str | os.PathLike, obj: Any) -> None:
     """Write JSON through a temp file and rename, so readers never see half a file."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.tmp-{_owner()}")
     tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
     os.replace(tmp, path)
 

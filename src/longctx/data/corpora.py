@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import platform
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import metadata
@@ -80,7 +79,6 @@ def build(cfg: CorporaParams, out: Path) -> dict:
         "packages": {p: metadata.version(p) for p in ("datasets", "pyarrow", "tokenizers")},
         "domains": {},
     }
-    t0 = time.perf_counter()
     for domain, spec in cfg.domains.items():
         stats = DomainStats()
         sources = []
@@ -108,7 +106,6 @@ def build(cfg: CorporaParams, out: Path) -> dict:
             bar.close()
             writer.close()
         manifest["domains"][domain] = {"kind": spec.kind, "sources": sources, **vars(stats)}
-    manifest["seconds"] = round(time.perf_counter() - t0, 3)
     return manifest
 
 

@@ -17,7 +17,6 @@ Only a plan (a few integers per chunk) is held in memory; tokens are copied thro
 from __future__ import annotations
 
 import contextlib
-import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -313,7 +312,6 @@ def pack_all(cfg: Params, tokens_dir: Path, out: Path, token_index: dict) -> dic
     domains = list(cfg.corpora.domains)
     dtype = np.dtype(token_index["dtype"])
     manifest: dict = {"seed": cfg.pack.seed, "val_fraction": cfg.pack.val_fraction, "splits": {}}
-    t0 = time.perf_counter()
     written = 0
     try:
         for split, spec in cfg.pack.splits.items():
@@ -358,9 +356,6 @@ def pack_all(cfg: Params, tokens_dir: Path, out: Path, token_index: dict) -> dic
     finally:
         for r in readers.values():
             r.close()
-    seconds = time.perf_counter() - t0
-    manifest["seconds"] = round(seconds, 3)
     manifest["tokens_written"] = written
-    manifest["tokens_per_s"] = round(written / max(seconds, 1e-9))
     return manifest
 

@@ -53,16 +53,17 @@ def length_means(tasks: dict) -> tuple[list[int], dict[str, dict[int, float]]]:
 
 
 def comparison(results: dict) -> str:
-    """A Markdown table: each checkpoint's mean task score per length, retention and throughput."""
+    """A Markdown table: each checkpoint's mean task score per length and retention (no
+    throughput: the file is a DVC output, and a rerun must write the same bytes)."""
     lengths, means = length_means(results["tasks"])
-    head = ["checkpoint", *[f"tasks@{n}" for n in lengths], "retention ppl", "prompts/s"]
+    head = ["checkpoint", *[f"tasks@{n}" for n in lengths], "retention ppl"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     windows = results.get("windows", {})
     for c, by_length in means.items():
         cells = [c, *(f"{by_length[n]:.3f}{BEYOND if beyond(windows, c, n) else ''}" if n in by_length
                       else "skipped" for n in lengths)]
         ret = results["retention_ppl"].get(c)
-        cells += [f"{ret:.2f}" if ret else "n/a", f"{results['throughput'][c]['prompts_per_s']:.2f}"]
+        cells.append(f"{ret:.2f}" if ret else "n/a")
         lines.append("| " + " | ".join(cells) + " |")
     if any(beyond(windows, c, n) for c, by in means.items() for n in by):
         lines.append(f"\n{BEYOND} beyond the checkpoint's window (the length it was trained to)")

@@ -115,7 +115,9 @@ class ModelConfig(Shape):
     head_dim: int | None = Field(default=None, gt=0)
     norm_eps: float = Field(default=1e-5, gt=0)
     attention_bias: bool = False
-    """Biases on q, k, v projections (Qwen2)."""
+    """Biases on q, k, v projections (Qwen2's layout; o has none)."""
+    hf_architecture: Literal["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"] = "LlamaForCausalLM"
+    """The HF architecture the model is exported as: an imported checkpoint's own."""
     rope: RopeConfig | None = RopeConfig()
     """None: no position encoding (FoX's forget gate carries position)."""
     fox: FoxConfig | None = None
@@ -133,6 +135,8 @@ class ModelConfig(Shape):
             raise ValueError(f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}; set head_dim")
         if self.n_heads % self.kv_heads:
             raise ValueError(f"n_heads {self.n_heads} must be a multiple of n_kv_heads {self.kv_heads}")
+        if self.attention_bias and self.hf_architecture != "Qwen2ForCausalLM":
+            raise ValueError(f"attention_bias (on q, k, v alone) is Qwen2's layout, not {self.hf_architecture}'s")
         if (self.head_dim or self.d_model // self.n_heads) % 2 and self.rope is not None:
             raise ValueError("RoPE needs an even head_dim")
         chosen = [name for name in ("rope", "learned_positions", "seqpe") if getattr(self, name) is not None]

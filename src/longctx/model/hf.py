@@ -41,7 +41,8 @@ def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
             ffn_dim=hf["intermediate_size"],
             norm_eps=hf.get("rms_norm_eps", 1e-6),
             tie_embeddings=hf.get("tie_word_embeddings", False),
-            attention_bias=hf.get("attention_bias", arch == "Qwen2ForCausalLM"),
+            attention_bias=arch == "Qwen2ForCausalLM",
+            hf_architecture=arch,
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
             rope=from_hf(rope, hf.get("rope_theta")),
             reset_position_ids=True,
@@ -53,12 +54,18 @@ def config_from_hf(hf: dict, where: str = "config.json") -> ModelConfig:
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:
+    """config.json of the model's own HF architecture (Llama, Mistral or Qwen2: the same layers,
+    Qwen2's with q/k/v biases), so transformers loads every tensor and makes none up."""
     if cfg.fox is not None or cfg.rope is None:
         raise ValueError("FoX models have no HF architecture; use save_native")
     rope = hf_rope_parameters(cfg.rope)
+    arch = cfg.hf_architecture
+    own = {"LlamaForCausalLM": {"attention_bias": False, "mlp_bias": False},
+           "MistralForCausalLM": {"sliding_window": None},
+           "Qwen2ForCausalLM": {"use_sliding_window": False, "sliding_window": None}}[arch]
     out = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [arch],
+        "model_type": SUPPORTED[arch],
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model,
         "intermediate_size": cfg.ffn_dim,
@@ -69,8 +76,7 @@ def config_to_hf(cfg: ModelConfig) -> dict:
         "rms_norm_eps": cfg.norm_eps,
         "max_position_embeddings": cfg.max_position_embeddings,
         "tie_word_embeddings": cfg.tie_embeddings,
-        "attention_bias": cfg.attention_bias,
-        "mlp_bias": False,
+        **own,
         "hidden_act": "silu",
         "torch_dtype": "float32",
         "rope_theta": cfg.rope.theta,
@@ -158,7 +164,7 @@ def _save_weights(model: Transformer, folder: Path, prefix: str, shard_bytes: in
 
 def save_hf(model: Transformer, folder: str | Path, tokenizer_dir: str | Path | None = None,
             shard_bytes: int = SHARD_BYTES) -> None:
-    """An HF directory `AutoModelForCausalLM.from_pretrained` loads (Llama architecture)."""
+    """An HF directory `AutoModelForCausalLM.from_pretrained` loads (the model's own architecture)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config_to_hf(model.cfg), indent=2) + "\n")

@@ -27,6 +27,7 @@ from tqdm import tqdm
 from ..config import RunParams
 from ..data.loader import PackedDataset
 from ..errors import LongctxError
+from ..io import clear_stale
 from ..model.config import ModelConfig
 from ..model.fox import Acp
 from ..model.fox.acp import pruned
@@ -360,6 +361,7 @@ def train(model: Transformer, data: PackedDataset, cfg: RunParams, out: Path, tr
     par.barrier()  # every rank has read the checkpoint before the main rank may write the next
     if par.main:
         out.mkdir(parents=True, exist_ok=True)
+        clear_stale(ckpt_dir)  # a killed run's half-written checkpoint (gigabytes at 8B)
         _truncate_log(log_path, start)
     per_step = cfg.micro_batch * cfg.grad_accum
     flops_params = flop_params(model)
