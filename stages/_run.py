@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from longctx import config
-from longctx.errors import LongctxError
+from longctx.errors import ConfigError, LongctxError
 
 DATA = Path("data")
 CORPORA = DATA / "corpora"
@@ -21,22 +21,23 @@ PLOTS = Path("plots")
 
 
 def main(name: str, run: Callable[[config.Params, Path], None],
-         trains: Callable[[config.Params], list] | None = None) -> None:
+         trains: Callable[[config.Params], list] | None = None, models: bool = False) -> None:
     """Parse --params, run the stage from the project root, turn user errors into exit code 2.
-    A training stage (`trains` lists its training configs) with train.nproc > 1 checks that they
-    fit that many ranks, then starts itself again under torchrun, one process per GPU (gloo
-    processes on a CPU machine); rank 0 writes the outputs."""
+    A stage that runs models (`models`, or `trains` listing its training configs) first checks
+    that the attention backend runs on this machine; a training stage, that its configs fit
+    train.nproc ranks and the model's heads. With train.nproc > 1 it then starts itself again
+    under torchrun, one process per GPU (gloo processes on a CPU machine); rank 0 writes the
+    outputs."""
     parser = argparse.ArgumentParser(prog=f"python -m stages.{name}", description=run.__doc__)
     parser.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
     args = parser.parse_args()
     rank0 = os.environ.get("RANK", "0") == "0"
     try:
         cfg = config.load(args.params)
-        if trains and "RANK" not in os.environ and (n := _nproc(cfg.train.nproc)) > 1:
-            from longctx.train.parallel import check_layout
-
-            for i, stage in enumerate(trains(cfg)):
-                check_layout(stage, n, f"train.{name}.{'stages.' + str(i) + '.' if name == 'pretrain' else ''}")
+        launcher = "RANK" not in os.environ  # (torchrun's ranks were checked by it)
+        if launcher and (models or trains):
+            _check_backend(cfg, args.params)
+        if launcher and trains and (n := _check_layouts(name, cfg, trains(cfg))) > 1:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
                    "-m", f"stages.{name}", "--params", args.params]
             print(f"{name}: {n} processes: {' '.join(cmd[1:])}", file=sys.stderr)
@@ -66,6 +67,30 @@ def compute_device():
     import torch
 
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _check_backend(cfg: config.Params, source: str) -> None:
+    """model.attention_backend must run on this machine's device (a CUDA kernel on a CPU-only
+    machine is a params error, not a traceback when the model is built)."""
+    from longctx.model.attention import resolve
+
+    m = cfg.model
+    try:
+        resolve(m.attention_backend, compute_device(), fox=m.arch == "fox" or m.position == "alibi")
+    except ValueError as e:
+        raise ConfigError(f"{source}: model.attention_backend: {e}") from None
+
+
+def _check_layouts(name: str, cfg: config.Params, stages: list) -> int:
+    """The training configs fit train.nproc ranks (and the base model's heads, when training
+    starts from it); returns that count."""
+    from longctx.train.parallel import check_layout
+
+    n = _nproc(cfg.train.nproc)
+    heads = cfg.model.n_heads if cfg.train.pretrain.init == "base" else None
+    for i, stage in enumerate(stages):
+        check_layout(stage, n, f"train.{name}.{'stages.' + str(i) + '.' if name == 'pretrain' else ''}", heads)
+    return n
 
 
 def _nproc(value: int | str) -> int:

@@ -100,4 +100,4 @@ def write_outputs(results: dict, rows: list[dict], position_rows: list[dict]) ->
 
 
 if __name__ == "__main__":
-    main("eval", run)
+    main("eval", run, models=True)

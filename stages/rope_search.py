@@ -125,4 +125,4 @@ def _run_folder(cfg: Params, init: str, split: str) -> Path:
 
 
 if __name__ == "__main__":
-    main("rope_search", run)
+    main("rope_search", run, models=True)

@@ -66,11 +66,14 @@ def write_params(folder: Path, overrides: dict) -> Path:
     return path
 
 
-def stage_process(project: Path, name: str, overrides: dict) -> subprocess.CompletedProcess:
-    """`python -m stages.<name>` in a project folder with these params, as a user runs it."""
-    write_params(project, overrides)
+def stage_process(project: Path, name: str, overrides: dict | None,
+                  env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`python -m stages.<name>` in a project folder with these params (None: its params.yaml as
+    it is) and extra environment `env`, as a user runs it."""
+    if overrides is not None:
+        write_params(project, overrides)
     path = os.pathsep.join(filter(None, [str(REPO / "src"), str(REPO), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run([sys.executable, "-m", f"stages.{name}"], cwd=project, env=env, capture_output=True,
                           text=True, timeout=600)
 

@@ -58,6 +58,13 @@ def test_prolong_mix_is_table_9():
         ({"train": {"base": None}}, r"train\.pretrain\.init: 'base' needs a train\.base section"),
         ({"train": {"sft": {"lr": -1}}}, r"train\.sft\.lr"),
         ({"model": {"arch": "mamba"}}, r"model\.arch"),
+        ({"model": {"attention_backend": "flashy"}},
+         r"model\.attention_backend: attention backend 'flashy' is unknown"),
+        ({"model": {"d_model": 60, "n_heads": 4}}, r"model: RoPE needs an even head_dim"),
+        ({"model": {"attention_backend": "fox", "d_model": 96}},
+         r"model: attention backend 'fox' takes a power-of-two head_dim .*heads have 48"),
+        ({"model": {"attention_backend": "cudnn", "d_model": 40, "n_heads": 4}},
+         r"model: attention backend 'cudnn' takes head_dim <= 256 and a multiple of 8.*heads have 10"),
     ],
 )
 def test_bad_values_name_the_key(overrides, message):
@@ -80,8 +87,9 @@ def test_params_file_errors(tmp_path):
         config.load(tmp_path / "missing.yaml")
     bad = tmp_path / "bad.yaml"
     bad.write_text("pack: [1, 2\n")
-    with pytest.raises(ConfigError, match="bad.yaml: not valid YAML"):
+    with pytest.raises(ConfigError, match=r"bad\.yaml:2:1: not valid YAML: expected ',' or ']'") as e:
         config.load(bad)
+    assert "\n" not in str(e.value)  # one line: file, line, column and the problem (no excerpt)
     bad.write_text("- just a list\n")
     with pytest.raises(ConfigError, match="must be a mapping"):
         config.load(bad)

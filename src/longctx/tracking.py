@@ -8,13 +8,18 @@ whatever directory it runs in. MLFLOW_TRACKING_URI or params `tracking.uri` over
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import subprocess
+import sys
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from .config import TrackingParams
+from .errors import ConfigError
 
 MAX_PARAM_CHARS = 6000
 PARENT_ENV = "LONGCTX_MLFLOW_PARENT_RUN"
@@ -31,15 +36,49 @@ def workspace_root(root: Path) -> Path:
     return root
 
 
+PROBE_SECONDS = 5.0
+"""How long a tracking server has to answer before a stage starts (MLflow's own client retries
+for minutes, silently)."""
+HTTP_LIMITS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
+"""A server that stops answering during a run fails its next call within about a minute."""
+
+
 def tracking_uri(cfg: TrackingParams, root: Path) -> str:
+    """The store runs go to: MLFLOW_TRACKING_URI, else tracking.uri, else <workspace>/mlflow.db.
+    A server that does not answer is an error naming it (ConfigError), or, with
+    tracking.unreachable: local, the local store, said on stderr."""
     root = workspace_root(root)
-    if os.environ.get("MLFLOW_TRACKING_URI"):
-        return os.environ["MLFLOW_TRACKING_URI"]
-    if cfg.uri:
-        if cfg.uri.startswith("sqlite:///") and not cfg.uri.startswith("sqlite:////"):
-            return "sqlite:///" + str((root / cfg.uri.removeprefix("sqlite:///")).resolve())
-        return cfg.uri
-    return f"sqlite:///{(root / 'mlflow.db').resolve()}"
+    local = f"sqlite:///{(root / 'mlflow.db').resolve()}"
+    uri = os.environ.get("MLFLOW_TRACKING_URI") or cfg.uri or local
+    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+        uri = "sqlite:///" + str((root / uri.removeprefix("sqlite:///")).resolve())
+    if uri.startswith(("http://", "https://")):
+        for key, value in HTTP_LIMITS.items():
+            os.environ.setdefault(key, value)
+        if why := _silent(uri):
+            if cfg.unreachable == "local":
+                _say_once(f"tracking: {uri} does not answer ({why}); recording in {local} instead")
+                return local
+            raise ConfigError(f"tracking.uri: the MLflow server at {uri} does not answer ({why}); start it, fix "
+                              "the URI (MLFLOW_TRACKING_URI or tracking.uri), or set tracking.unreachable: local")
+    return uri
+
+
+@functools.cache
+def _silent(uri: str) -> str | None:
+    """Why the MLflow server at `uri` does not answer its health check, or None if it does."""
+    try:
+        urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=PROBE_SECONDS).close()
+    except urllib.error.HTTPError:
+        return None  # it answered (an older server without /health, or a proxy's page)
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        return str(getattr(e, "reason", e))
+    return None
+
+
+@functools.cache
+def _say_once(message: str) -> None:
+    print(message, file=sys.stderr)
 
 
 class Tracker:

@@ -45,8 +45,13 @@ def _read_yaml(path: Path, what: str) -> dict:
         raise ConfigError(f"{path}: {what} not found")
     try:
         data = yaml.safe_load(path.read_text())
+    except yaml.MarkedYAMLError as e:  # one line: file, line and column, what is wrong there
+        mark = e.problem_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        what = " ".join(filter(None, [e.problem, e.context])) or "cannot be parsed"
+        raise ConfigError(f"{where}: not valid YAML: {what}") from None
     except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: not valid YAML: {e}") from e
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -13,11 +13,22 @@ from pydantic import (
     Field,
     NonNegativeInt,
     PositiveInt,
+    ValidationError,
     field_validator,
     model_validator,
 )
 
-from ..model.config import FoxConfig, LearnedPositions, Recompute, SeqPEConfig, Shape
+from ..model.config import (
+    ATTENTION_BACKENDS,
+    FoxConfig,
+    LearnedPositions,
+    ModelConfig,
+    Recompute,
+    RopeConfig,
+    SeqPEConfig,
+    Shape,
+    head_dim_refused,
+)
 from .checks import consistent
 
 
@@ -198,6 +209,24 @@ class ModelParams(Strict, Shape):
     seqpe: SeqPEConfig = SeqPEConfig()
     """SeqPE's encoder, used when position is seqpe."""
     attention_backend: str = "auto"
+    """A backend of model/attention.py, or auto: the fastest that runs here."""
+
+    @field_validator("attention_backend")
+    @classmethod
+    def _known_backend(cls, value: str) -> str:
+        if value != "auto" and value not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention backend {value!r} is unknown (known: {['auto', *ATTENTION_BACKENDS]})")
+        return value
+
+    def as_model_config(self, vocab_size: int) -> ModelConfig:
+        """The ModelConfig a base model is built from: the Shape as it is, the position encoding
+        (`position`, else the arch's own) and the FoX components its arch asks for."""
+        position = self.position or ("none" if self.arch == "fox" else "rope")
+        return ModelConfig(vocab_size=vocab_size, **self.model_dump(include=set(Shape.model_fields)),
+                           rope=RopeConfig(theta=self.rope_theta) if position == "rope" else None,
+                           learned_positions=self.learned_positions if position == "learned" else None,
+                           alibi=position == "alibi", seqpe=self.seqpe if position == "seqpe" else None,
+                           fox=self.fox if self.arch == "fox" else None)
 
     @model_validator(mode="after")
     def _positions(self) -> ModelParams:
@@ -207,6 +236,13 @@ class ModelParams(Strict, Shape):
                              f"max_position_embeddings {self.max_position_embeddings}")
         if self.position == "alibi" and self.arch == "fox":
             raise ValueError("position alibi is a fixed forget gate: a FoX model has its own (use arch llama)")
+        try:
+            cfg = self.as_model_config(vocab_size=1)  # the model it builds, checked now, not at build time
+        except ValidationError as e:
+            raise ValueError("; ".join(err["msg"].removeprefix("Value error, ") for err in e.errors())) from None
+        if self.attention_backend != "auto" and (why := head_dim_refused(self.attention_backend, cfg.dim_head)):
+            raise ValueError(f"attention backend {self.attention_backend!r} {why}; the model's heads have "
+                             f"{cfg.dim_head} (head_dim, or d_model / n_heads)")
         return self
 
 
@@ -403,6 +439,9 @@ class TrackingParams(Strict):
     uri: str | None = None
     """MLflow tracking URI; default: SQLite at <project>/mlflow.db. Env MLFLOW_TRACKING_URI wins."""
     experiment: str = "longctx"
+    unreachable: Literal["error", "local"] = "error"
+    """A tracking server (http/https) that does not answer: stop before any work (error), or
+    record the run in the project's local store instead, saying so (local)."""
 
 
 # ---------------------------------------------------------------- the whole

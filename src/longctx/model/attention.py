@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from . import cudnn_attention
+from .config import ATTENTION_BACKENDS, head_dim_refused
 from .fox import INTERPRET, Acp, doc_cumsum, doc_ids, reference
 
 AttentionFn = Callable[..., torch.Tensor]
@@ -87,9 +88,8 @@ def _flash_only(name: str, q: torch.Tensor, log_f: torch.Tensor | None) -> None:
     if q.dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"attention backend {name!r} takes float16/bfloat16, got {q.dtype}; "
                          "use 'sdpa' or 'flex' (or autocast)")
-    if q.shape[-1] > 256 or q.shape[-1] % 8:
-        raise ValueError(f"attention backend {name!r} takes head_dim <= 256 and a multiple of 8, got "
-                         f"{q.shape[-1]}; use 'sdpa' or 'flex'")
+    if why := head_dim_refused(name, q.shape[-1]):
+        raise ValueError(f"attention backend {name!r} {why}, got {q.shape[-1]}; use 'sdpa' or 'flex'")
 
 
 def _max_len(bounds: list[int]) -> int:
@@ -198,6 +198,7 @@ def fox_pruned(q, k, v, cu_seqlens, log_f, *, eps: float, logit_bound=None):
 
 BACKENDS: dict[str, AttentionFn] = {"reference": reference, "sdpa": sdpa, "cudnn": cudnn, "flash_attn": flash_attn,
                                     "varlen": varlen, "flex": flex, "fox": fox}
+assert tuple(BACKENDS) == ATTENTION_BACKENDS, "model/config.py's ATTENTION_BACKENDS must name these backends"
 PLAIN_ONLY = ("cudnn", "flash_attn", "varlen")
 """Backends without the forget gate."""
 

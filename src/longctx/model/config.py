@@ -8,6 +8,17 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 RopeType = Literal["default", "linear", "dynamic", "yarn", "llama3", "longrope"]
+ATTENTION_BACKENDS = ("reference", "sdpa", "cudnn", "flash_attn", "varlen", "flex", "fox")
+"""The attention backends by name (model/attention.py implements them and checks this list)."""
+
+
+def head_dim_refused(backend: str, head_dim: int) -> str | None:
+    """Why `backend`'s kernel cannot take heads of `head_dim`, or None."""
+    if backend in ("cudnn", "flash_attn", "varlen") and (head_dim > 256 or head_dim % 8):
+        return "takes head_dim <= 256 and a multiple of 8"
+    if backend == "fox" and (head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1)):
+        return "takes a power-of-two head_dim from 16 to 256"
+    return None
 Recompute = Literal["none", "full", "selective", "attention"]
 """Activation checkpointing of a block (model/recompute.py)."""
 

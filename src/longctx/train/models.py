@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from ..config import ModelParams
 from ..errors import DataError
-from ..model.config import PRESETS, FoxConfig, ModelConfig, RopeConfig, Shape
+from ..model.config import PRESETS, FoxConfig, ModelConfig, RopeConfig
 from ..model.hf import load_hf, load_native, save_hf, save_native
 from ..model.rope import HF_KEYS, from_hf
 from ..model.transformer import Transformer
@@ -44,14 +44,8 @@ def preset(shape: str, arch: Literal["llama", "fox"] = "llama", window: int | No
 
 
 def base_config(params: ModelParams, vocab_size: int) -> ModelConfig:
-    """The ModelConfig a base model is built from: params' Shape as it is, the position encoding
-    (params' position, else the arch's own) and FoX components its arch asks for."""
-    position = params.position or ("none" if params.arch == "fox" else "rope")
-    return ModelConfig(vocab_size=vocab_size, **params.model_dump(include=set(Shape.model_fields)),
-                       rope=RopeConfig(theta=params.rope_theta) if position == "rope" else None,
-                       learned_positions=params.learned_positions if position == "learned" else None,
-                       alibi=position == "alibi", seqpe=params.seqpe if position == "seqpe" else None,
-                       fox=params.fox if params.arch == "fox" else None)
+    """The ModelConfig a base model is built from (ModelParams.as_model_config)."""
+    return params.as_model_config(vocab_size)
 
 
 def base_model(params: ModelParams, vocab_size: int, seed: int, device: torch.device | str = "cpu") -> Transformer:

@@ -94,12 +94,15 @@ def init() -> Parallel:
     return Parallel(rank=dist.get_rank(), world=dist.get_world_size(), device=device)
 
 
-def check_layout(cfg, world: int, where: str = "") -> None:
-    """That a training config's batch and sequence parallelism fit `world` ranks (before any
-    process starts, and again in the loop)."""
+def check_layout(cfg, world: int, where: str = "", n_heads: int | None = None) -> None:
+    """That a training config's batch and sequence parallelism fit `world` ranks and, where
+    known, the model's `n_heads` (Ulysses deals heads to ranks) before any process starts, and
+    again in the loop."""
     sp = cfg.sequence_parallel
     if world % sp:
         raise ConfigError(f"{where}sequence_parallel: {sp} does not divide the world size {world}")
+    if n_heads is not None and n_heads % sp:
+        raise ConfigError(f"{where}sequence_parallel: {sp} does not divide the model's {n_heads} attention heads")
     if cfg.grad_accum % (world // sp):
         raise ConfigError(f"{where}grad_accum: {cfg.grad_accum} micro-batches per step do not divide over "
                           f"{world // sp} data-parallel replicas ({world} ranks / sequence_parallel {sp})")
