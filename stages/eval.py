@@ -55,7 +55,12 @@ def run(cfg: Params, root: Path) -> None:
     tok = TextTokenizer.load(TOKENS / "tokenizer")
     windows = suite.windows(ckpts, tok, TOKENS / "tokenizer", ec.lengths)
     data = long_split(cfg)
-    haystack = tok.tok.decode(data[needle.long_documents(data, 1)[0]].input_ids.tolist())
+    found = needle.long_documents(data, 1)
+    if not found:
+        raise DataError(f"{data.folder}: no document of a long domain to hide needles in (niah_single_text's "
+                        "haystack, perplexity against length): give this split long data")
+    first = data[found[0]]
+    haystack = tok.tok.decode(first.input_ids[:first.doc_lens[0]].tolist())  # real text: one long document
     device = compute_device()
     results = report.empty_results()
     rows_all, position_rows = [], []

@@ -22,9 +22,11 @@ def enc(small_project) -> Encoder:
 @pytest.fixture(scope="module")
 def haystack(small_project, enc) -> str:
     from longctx.data.loader import PackedDataset
+    from longctx.eval.needle import long_documents
 
     data = PackedDataset(small_project / "data/packed/stage1/val")
-    return enc.tok.tok.decode(data[0].input_ids.tolist())
+    first = data[long_documents(data, 1)[0]]
+    return enc.tok.tok.decode(first.input_ids[:first.doc_lens[0]].tolist())
 
 
 @pytest.mark.parametrize("task", tasks.TASKS)

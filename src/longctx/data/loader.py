@@ -44,6 +44,8 @@ class PackedDataset:
         self.index = read_json(folder / "index.json", "packed split index")
         self.seq_len = int(self.index["seq_len"])
         self.domains: list[str] = self.index["domains"]
+        self.kinds: dict[str, str] = self.index.get("kinds", {})
+        """Domain -> corpora kind (long, short, whole, sft); empty for data packed before it was recorded."""
         n = int(self.index["sequences"])
         dtype = np.dtype(self.index["dtype"])
         self.tokens = self._map("tokens.bin", dtype, (n, self.seq_len))

@@ -342,6 +342,7 @@ def pack_all(cfg: Params, tokens_dir: Path, out: Path, token_index: dict) -> dic
                     "split": split, "part": part, "seq_len": spec.seq_len, "sequences": len(plan.sequences),
                     "tokens": total, "dtype": dtype.name, "vocab_size": token_index["vocab_size"],
                     "fingerprint": token_index["fingerprint"], "domains": domains,
+                    "kinds": {d: cfg.corpora.domains[d].kind for d in domains},
                     "loss_mask": any(cfg.corpora.domains[d].kind == "sft" for d in requested),
                 }
                 write_json(out / split / part / "index.json", index)

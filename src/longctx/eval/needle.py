@@ -35,8 +35,11 @@ class NeedleSequence:
 
 
 def long_documents(data: PackedDataset, length: int) -> list[int]:
-    """Indices of sequences that hold one document of at least `length` tokens from the start."""
-    return [i for i in range(len(data)) if int(data[i].doc_lens[0]) >= length]
+    """Indices of sequences that open with one real long document (a `long` domain's, not a
+    synthetic retrieval document or short text; any domain's in data packed before kinds were
+    recorded) of at least `length` tokens."""
+    real = {i for i, d in enumerate(data.domains) if data.kinds.get(d, "long") == "long"}
+    return [i for i in range(len(data)) if int(data[i].doc_lens[0]) >= length and int(data[i].domains[0]) in real]
 
 
 def build(tokenizer: TextTokenizer, haystack: np.ndarray, length: int, depth: float,
