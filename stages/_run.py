@@ -11,6 +11,7 @@ from pathlib import Path
 
 from longctx import config
 from longctx.errors import ConfigError, LongctxError
+from longctx.io import DISK_ERRNOS, check_room
 
 DATA = Path("data")
 CORPORA = DATA / "corpora"
@@ -21,13 +22,15 @@ PLOTS = Path("plots")
 
 
 def main(name: str, run: Callable[[config.Params, Path], None],
-         trains: Callable[[config.Params], list] | None = None, models: bool = False) -> None:
+         trains: Callable[[config.Params], list] | None = None, models: bool = False,
+         writes: tuple[Path, ...] = ()) -> None:
     """Parse --params, run the stage from the project root, turn user errors into exit code 2.
     A stage that runs models (`models`, or `trains` listing its training configs) first checks
     that the attention backend runs on this machine; a training stage, that its configs fit
-    train.nproc ranks and the model's heads. With train.nproc > 1 it then starts itself again
-    under torchrun, one process per GPU (gloo processes on a CPU machine); rank 0 writes the
-    outputs."""
+    train.nproc ranks and the model's heads. The folders it `writes` (and metrics/, plots/) must
+    take writes before any work; a disk that fills up or turns read-only mid-stage is one line
+    and exit 2 too. With train.nproc > 1 it then starts itself again under torchrun, one process
+    per GPU (gloo processes on a CPU machine); rank 0 writes the outputs."""
     parser = argparse.ArgumentParser(prog=f"python -m stages.{name}", description=run.__doc__)
     parser.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
     args = parser.parse_args()
@@ -35,6 +38,9 @@ def main(name: str, run: Callable[[config.Params, Path], None],
     try:
         cfg = config.load(args.params)
         launcher = "RANK" not in os.environ  # (torchrun's ranks were checked by it)
+        if launcher:
+            for folder in (*writes, METRICS, PLOTS):
+                check_room(folder, 0, f"the {name} stage's outputs")
         if launcher and (models or trains):
             _check_backend(cfg, args.params)
         if launcher and trains and (n := _check_layouts(name, cfg, trains(cfg))) > 1:
@@ -45,6 +51,12 @@ def main(name: str, run: Callable[[config.Params, Path], None],
         run(cfg, Path.cwd())
     except LongctxError as e:  # every rank says it: the launcher may stop the others first
         print(f"{name}: error{'' if rank0 else ' (rank ' + os.environ['RANK'] + ')'}: {e}", file=sys.stderr)
+        sys.exit(2)
+    except OSError as e:  # a disk that filled up, or a folder that stopped taking writes, mid-stage
+        if e.errno not in DISK_ERRNOS:
+            raise
+        where = e.filename or ", ".join(map(str, writes)) or "an output"
+        print(f"{name}: error: {where}: {e.strerror}; outputs from before this run are intact", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
         if rank0:

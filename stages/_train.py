@@ -12,11 +12,11 @@ from pathlib import Path
 from longctx.config import Params, RunParams, StageParams, flat
 from longctx.data.loader import PackedDataset
 from longctx.errors import DataError
-from longctx.io import atomic_dir, clear_stale, read_json, write_json
+from longctx.io import atomic_dir, check_room, clear_stale, read_json, write_json
 from longctx.model.transformer import Transformer
 from longctx.tracking import Tracker, stage_run
 from longctx.train.loop import mean_loss, train
-from longctx.train.models import save_model
+from longctx.train.models import load_model, save_model
 from longctx.train.parallel import Parallel, unshard, with_sequence_parallel
 
 from ._run import METRICS, PACKED, TOKENS
@@ -29,12 +29,25 @@ def vocab_size() -> int:
     return int(read_json(TOKENS / "index.json", "token index")["vocab_size"])
 
 
-def split_data(stage: StageParams, model: Transformer) -> tuple[PackedDataset, PackedDataset]:
-    train_data = PackedDataset(PACKED / stage.split / "train")
-    if int(train_data.index["vocab_size"]) > model.cfg.vocab_size:
-        raise DataError(f"{PACKED / stage.split}: token ids go up to {train_data.index['vocab_size']}, the model's "
-                        f"vocabulary has {model.cfg.vocab_size}: the tokenizer does not match the checkpoint")
-    return train_data, PackedDataset(PACKED / stage.split / "val")
+def split_data(stage: StageParams) -> tuple[PackedDataset, PackedDataset]:
+    return PackedDataset(PACKED / stage.split / "train"), PackedDataset(PACKED / stage.split / "val")
+
+
+def load(init: str | Path, attention_backend: str) -> Transformer:
+    """A checkpoint to train or score on this project's tokens. One saved by a stage records its
+    tokenizer, which must be the one data/tokens was made with; any checkpoint's vocabulary must
+    hold every token id."""
+    index = read_json(TOKENS / "index.json", "token index")
+    summary = Path(init) / "summary.json"
+    made = read_json(summary, "model summary").get("tokenizer") if summary.is_file() else None
+    if made is not None and made != index["fingerprint"]:
+        raise DataError(f"{init}: trained on tokens of tokenizer {made}, but {TOKENS} was made with tokenizer "
+                        f"{index['fingerprint']}: the tokenizer does not match the checkpoint (rerun from base)")
+    model = load_model(init, attention_backend)
+    if int(index["vocab_size"]) > model.cfg.vocab_size:
+        raise DataError(f"{init}: its vocabulary has {model.cfg.vocab_size} tokens, {TOKENS} has ids up to "
+                        f"{index['vocab_size']}: the tokenizer does not match the checkpoint")
+    return model
 
 
 def fingerprint(folder: Path) -> str:
@@ -70,8 +83,12 @@ def fit(name: str, stage: StageParams, model: Transformer, init: str, tracker, p
     """Train one stage (resuming if a run of it was interrupted) on every rank; write its loss
     curve to `plot` (CSV, a DVC plot); return the trained model, whole on every rank, and its
     summary."""
-    train_data, val_data = split_data(stage, model)
+    train_data, val_data = split_data(stage)
     folder = run_folder(name, stage, model, init)
+    if par.main:
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        check_room(RUNS, 3 * weights * (stage.keep_last + 1), f"{name}'s checkpoints (weights, AdamW's moments)")
+        check_room(MODELS, 2 * weights, f"the {name} model (ours and the HF export)")
     tracker.text(str(folder), f"{name}_run_folder.txt")
     par = with_sequence_parallel(par, stage.sequence_parallel, model.cfg.n_heads)
     loop_cfg = RunParams(**{k: v for k, v in stage.model_dump().items() if k in RunParams.model_fields})
@@ -100,9 +117,12 @@ TIMINGS = ("tokens_per_s",)
 
 
 def save(model: Transformer, folder: Path, summary: dict) -> None:
-    """The model (ours + HF export, with the tokenizer) and its training summary (no timings)."""
+    """The model (ours + HF export, with the tokenizer) and its training summary (no timings;
+    the tokenizer's fingerprint, checked by `load`)."""
     save_model(model, folder, TOKENS / "tokenizer")
-    write_json(folder / "summary.json", {k: v for k, v in summary.items() if k not in TIMINGS})
+    tokenizer = read_json(TOKENS / "index.json", "token index")["fingerprint"]
+    write_json(folder / "summary.json", {k: v for k, v in summary.items() if k not in TIMINGS}
+               | {"tokenizer": tokenizer})
 
 
 def write_metrics(name: str, summary: dict) -> None:

@@ -36,4 +36,4 @@ def run(cfg: Params, root: Path) -> None:
 
 
 if __name__ == "__main__":
-    main("base", run, trains=lambda cfg: [cfg.train.base] if cfg.train.base else [])
+    main("base", run, trains=lambda cfg: [cfg.train.base] if cfg.train.base else [], writes=(OUT, _train.RUNS))

@@ -33,4 +33,4 @@ def run(cfg: Params, root: Path) -> None:
 
 
 if __name__ == "__main__":
-    main("corpora", run)
+    main("corpora", run, writes=(CORPORA,))

@@ -14,7 +14,6 @@ from longctx.errors import DataError
 from longctx.eval import needle, report, suite
 from longctx.io import atomic_dir, write_json
 from longctx.tracking import stage_run
-from longctx.train.models import load_model
 
 from . import _train
 from ._run import METRICS, PACKED, PLOTS, TOKENS, compute_device, main, write_csv
@@ -67,7 +66,7 @@ def run(cfg: Params, root: Path) -> None:
     with stage_run(cfg.tracking, root, "eval", flat(ec, "eval")) as tracker:
         short = retention_split(cfg)
         for name, folder in ckpts.items():
-            model = load_model(folder, cfg.model.attention_backend).to(device).eval()
+            model = _train.load(folder, cfg.model.attention_backend).to(device).eval()
             chat = name == "sft"
             if chat and not tok.chat_template:
                 raise DataError(f"{TOKENS / 'tokenizer'}: no chat template to evaluate the SFT checkpoint with")
@@ -105,4 +104,4 @@ def write_outputs(results: dict, rows: list[dict], position_rows: list[dict]) ->
 
 
 if __name__ == "__main__":
-    main("eval", run, models=True)
+    main("eval", run, models=True, writes=(OUT,))

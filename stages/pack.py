@@ -6,11 +6,11 @@ import time
 from pathlib import Path
 
 from longctx.config import Params, flat
-from longctx.data.pack import pack_all
+from longctx.data.pack import estimated_bytes, pack_all
 from longctx.data.stats import format_table, plot_proportions
 from longctx.data.tokenizer import TextTokenizer
 from longctx.errors import DataError
-from longctx.io import atomic_dir, read_json, write_json
+from longctx.io import atomic_dir, check_room, read_json, write_json
 from longctx.tracking import stage_run
 
 from ._run import METRICS, PACKED, PLOTS, TOKENS, main
@@ -37,6 +37,7 @@ def check_tokens(cfg: Params) -> dict:
 def run(cfg: Params, root: Path) -> None:
     """Cut, mix and pack every split of the curriculum, plus SFT."""
     token_index = check_tokens(cfg)
+    check_room(PACKED, estimated_bytes(cfg, token_index), "the packed splits")
     with stage_run(cfg.tracking, root, "pack", flat(cfg.pack, "pack")) as tracker:
         t0 = time.perf_counter()
         with atomic_dir(PACKED) as tmp:
@@ -71,4 +72,4 @@ def run(cfg: Params, root: Path) -> None:
 
 
 if __name__ == "__main__":
-    main("pack", run)
+    main("pack", run, writes=(PACKED,))

@@ -11,7 +11,7 @@ from longctx.config import Params
 from longctx.errors import DataError
 from longctx.io import atomic_dir, read_json
 from longctx.train import parallel
-from longctx.train.models import load_model, longrope_factors, with_positions
+from longctx.train.models import longrope_factors, with_positions
 
 from . import _train
 from ._run import PLOTS, main
@@ -38,7 +38,7 @@ def run(cfg: Params, root: Path) -> None:
     par = parallel.init()
     with _train.tracked(cfg, root, "pretrain", par) as tracker, \
             (atomic_dir(OUT) if par.main else contextlib.nullcontext()) as tmp:
-        model = load_model(init, cfg.model.attention_backend).to(par.device)
+        model = _train.load(init, cfg.model.attention_backend).to(par.device)
         origin = f"{init}:{_train.fingerprint(Path(init))}"
         for stage in p.stages:
             window = cfg.pack.splits[stage.split].seq_len
@@ -67,4 +67,4 @@ def run(cfg: Params, root: Path) -> None:
 
 
 if __name__ == "__main__":
-    main("pretrain", run, trains=lambda cfg: cfg.train.pretrain.stages)
+    main("pretrain", run, trains=lambda cfg: cfg.train.pretrain.stages, writes=(OUT, _train.RUNS))

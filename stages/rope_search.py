@@ -18,7 +18,6 @@ from longctx.model.rope import hf_rope_parameters
 from longctx.ropesearch.compare import SEARCHED, needle_sets, plot_factors, same_as, search_and_compare
 from longctx.ropesearch.space import Space
 from longctx.tracking import stage_run
-from longctx.train.models import load_model
 
 from . import _train
 from ._run import METRICS, PACKED, PLOTS, TOKENS, compute_device, main, write_csv
@@ -59,7 +58,7 @@ def run(cfg: Params, root: Path) -> None:
     position = cfg.model.position or ("none" if cfg.model.arch == "fox" else "rope")
     if position != "rope" and cfg.train.pretrain.init == "base":
         return skip(f"the model has no RoPE (position: {position}{', a FoX model' if cfg.model.arch == 'fox' else ''})")
-    model = load_model(init, cfg.model.attention_backend)
+    model = _train.load(init, cfg.model.attention_backend)
     if model.cfg.rope is None:
         raise DataError(f"{init}: the checkpoint has no RoPE (a FoX model); rope_search needs a RoPE model "
                         "(set rope_search.enabled: false)")
@@ -125,4 +124,4 @@ def _run_folder(cfg: Params, init: str, split: str) -> Path:
 
 
 if __name__ == "__main__":
-    main("rope_search", run, models=True)
+    main("rope_search", run, models=True, writes=(OUT,))

@@ -6,7 +6,6 @@ from pathlib import Path
 
 from longctx.config import Params
 from longctx.train import parallel
-from longctx.train.models import load_model
 
 from . import _train
 from ._run import PLOTS, main
@@ -19,7 +18,7 @@ def run(cfg: Params, root: Path) -> None:
     init = _train.MODELS / "pretrain" / cfg.train.pretrain.stages[-1].split
     par = parallel.init()
     with _train.tracked(cfg, root, "sft", par) as tracker:
-        model = load_model(init, cfg.model.attention_backend).to(par.device)
+        model = _train.load(init, cfg.model.attention_backend).to(par.device)
         model, summary = _train.fit("sft", cfg.train.sft, model, f"{init}:{_train.fingerprint(init)}", tracker,
                                     PLOTS / "train_sft.csv", par)
         _train.finish("sft", model, summary, OUT, par)
@@ -27,4 +26,4 @@ def run(cfg: Params, root: Path) -> None:
 
 
 if __name__ == "__main__":
-    main("sft", run, trains=lambda cfg: [cfg.train.sft])
+    main("sft", run, trains=lambda cfg: [cfg.train.sft], writes=(OUT, _train.RUNS))

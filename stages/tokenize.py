@@ -59,4 +59,4 @@ def run(cfg: Params, root: Path) -> None:
 
 
 if __name__ == "__main__":
-    main("tokenize", run)
+    main("tokenize", run, writes=(TOKENS,))

@@ -66,16 +66,19 @@ def write_params(folder: Path, overrides: dict) -> Path:
     return path
 
 
-def stage_process(project: Path, name: str, overrides: dict | None,
-                  env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def stage_process(project: Path, name: str, overrides: dict | None, env: dict[str, str] | None = None,
+                  mounts: str | None = None) -> subprocess.CompletedProcess:
     """`python -m stages.<name>` in a project folder with these params (None: its params.yaml as
-    it is) and extra environment `env`, as a user runs it."""
+    it is) and extra environment `env`, as a user runs it; after `mounts` (shell, run in a private
+    mount namespace of its own: a full or read-only disk for this process only) if given."""
     if overrides is not None:
         write_params(project, overrides)
     path = os.pathsep.join(filter(None, [str(REPO / "src"), str(REPO), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run([sys.executable, "-m", f"stages.{name}"], cwd=project, env=env, capture_output=True,
-                          text=True, timeout=600)
+    cmd = [sys.executable, "-m", f"stages.{name}"]
+    if mounts is not None:
+        cmd = ["unshare", "--map-root-user", "--mount", "sh", "-ec", f'{mounts}; exec "$@"', "sh", *cmd]
+    return subprocess.run(cmd, cwd=project, env=env, capture_output=True, text=True, timeout=600)
 
 
 GIT_ENV = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.com", "GIT_COMMITTER_NAME": "t",

@@ -6,8 +6,10 @@ what a killed run leaves behind is cleared by the next one, and never another li
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -16,6 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from conftest import SMALL, stage_process, write_params
@@ -33,10 +37,82 @@ class Case:
     setup: Callable[[Path], None] | None = None
     """Breaks something in the project before the stage runs."""
     env: dict[str, str] = field(default_factory=dict)
+    mounts: str | None = None
+    """Shell run first in a private mount namespace (a full or read-only disk for this stage only)."""
+    logs_steps: bool = False
+    """It fails mid-training: the run folder (runs/, scratch, not an output) keeps the steps logged."""
 
 
 def _write(name: str, text: str) -> Callable[[Path], None]:
     return lambda project: (project / name).write_text(text)
+
+
+def _parquet_cut_in_half(project: Path) -> None:
+    table = pa.table({"text": [f"document {i}: " + "words " * 200 for i in range(200)]})
+    pq.write_table(table, project / "books.parquet")
+    data = (project / "books.parquet").read_bytes()
+    (project / "books.parquet").write_bytes(data[: len(data) // 2])  # a half-downloaded file
+
+
+def _tokenizer(change: Callable[[Path], None]) -> Callable[[Path], None]:
+    return lambda project: change(project / "data/tokens/tokenizer")
+
+
+def _base(vocab: int | None = None, tokenizer: str | None = None, tensors_of: dict | None = None,
+          cut: bool = False) -> Callable[[Path], None]:
+    """Writes models/base as the base stage would (a random model of the params' shape, its
+    summary naming the tokenizer), then breaks it: another vocabulary or tokenizer, the tensors
+    of another shape (`tensors_of`: model params), or the weights file cut in half."""
+    def setup(project: Path) -> None:
+        from longctx.config import load
+        from longctx.train.models import base_model, save_model
+
+        model_params = load(project / "params.yaml").model
+        index = json.loads((project / "data/tokens/index.json").read_text())
+        folder = project / "models/base"
+        save_model(base_model(model_params, vocab or index["vocab_size"], 0), folder, None)
+        (folder / "summary.json").write_text(json.dumps({"tokenizer": tokenizer or index["fingerprint"]}))
+        weights = folder / "model.safetensors"
+        if tensors_of is not None:
+            other = project / "other"
+            save_model(base_model(model_params.model_copy(update=tensors_of), index["vocab_size"], 0), other, None)
+            shutil.copy(other / "model.safetensors", weights)
+            shutil.rmtree(other)
+        if cut:
+            weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    return setup
+
+
+def _short_books(project: Path) -> None:
+    """Every document of the long domain books cut to one sentence (the corpora stage's output)."""
+    path = project / "data/corpora/books.parquet"
+    table = pq.read_table(path)
+    pq.write_table(table.set_column(table.schema.get_field_index("text"), "text",
+                                    pa.array(["A book of one sentence."] * table.num_rows)), path)
+
+
+def _every_checkpoint(project: Path) -> None:
+    _base()(project)
+    for name in ("pretrain/stage1", "pretrain/stage2", "sft"):
+        shutil.copytree(project / "models/base", project / "models" / name)
+
+
+def _factors(long: list) -> Callable[[Path], None]:
+    return lambda project: (_base()(project), (project / "factors.json").write_text(
+        json.dumps({"long_factor": long, "original_max_position_embeddings": 256})))
+
+
+FROM_BASE = {"train": {"base": None, "pretrain": {"init": "models/base"}}}
+"""Pretraining from a checkpoint the test writes (no base stage run)."""
+FACTORS = merge(FROM_BASE, {"train": {"pretrain": {"factors": "factors.json"}}})
+BIND_DATA = ("mount --bind data/{0} .in && mount -t tmpfs -o size={1} tmpfs data && mkdir data/{0} && "
+             "mount --bind .in data/{0}")
+"""data/ on a tmpfs of that size, the stage's input folder (bound to .in first) still readable in it."""
+READ_ONLY = "mount --bind {0} {0} && mount -o remount,bind,ro {0}"
+
+
+def _folder(name: str) -> Callable[[Path], None]:
+    return lambda project: (project / name).mkdir(exist_ok=True)
 
 
 CASES = {
@@ -72,6 +148,53 @@ CASES = {
     "unknown_profile": Case("pack", {"profile": "huge"}, r"profile: unknown profile 'huge'"),
     "invalid_yaml": Case("pack", {}, r"params\.yaml:3:10: not valid YAML: mapping values are not allowed here",
                          setup=_write("params.yaml", "profile: tiny\npack:\n  seed: a: b\n")),
+    "truncated_parquet": Case("corpora", {"corpora": {"domains": {"books": {"sources": [{"path": "books.parquet"}]}}}},
+                              r"books\.parquet: corrupt or unreadable parquet", setup=_parquet_cut_in_half),
+    "malformed_jsonl_line": Case("corpora", {"corpora": {"domains": {"books": {"sources": [{"path": "books.jsonl"}]}}}},
+                                 r"books\.jsonl:2: corrupt JSON line",
+                                 setup=_write("books.jsonl", '{"text": "one"}\n{"text": two}\n')),
+    "empty_corpus": Case("corpora", {"corpora": {"domains": {"books": {"sources": [{"path": "books.jsonl"}]}}}},
+                         r"corpora\.domains\.books: source path books\.jsonl yielded no documents",
+                         setup=_write("books.jsonl", "\n")),
+    "hub_dataset_missing": Case("corpora", {"corpora": {"domains": {"books": {"sources": [
+                                    {"hub": "no-such-org/no-such-dataset"}]}}}},
+                                r"hub source 'no-such-org/no-such-dataset'"),
+    "tokenizer_without_vocabulary": Case("pack", {}, r"data/tokens/tokenizer.*tokenizer\.json",
+                                         setup=_tokenizer(lambda t: (t / "tokenizer.json").unlink())),
+    "corrupt_tokenizer": Case("pack", {}, r"data/tokens/tokenizer.*tokenizer\.json",
+                              setup=_tokenizer(lambda t: (t / "tokenizer.json").write_text('{"model": {"vocab'))),
+    "checkpoint_wrong_shapes": Case("pretrain", FROM_BASE, r"models/base: tensor .* has shape \(1024, 48\)",
+                                    setup=_base(tensors_of={"d_model": 48})),
+    "checkpoint_truncated": Case("pretrain", FROM_BASE, r"models/base/model\.safetensors: unreadable safetensors",
+                                 setup=_base(cut=True)),
+    "checkpoint_of_another_tokenizer": Case("pretrain", FROM_BASE,
+                                            r"models/base: trained on tokens of tokenizer 0123456789abcdef.*"
+                                            r"the tokenizer does not match the checkpoint",
+                                            setup=_base(tokenizer="0123456789abcdef")),
+    "checkpoint_vocabulary_too_small": Case("pretrain", FROM_BASE, r"models/base: its vocabulary has 512 tokens, "
+                                            r"data/tokens has ids up to 1024", setup=_base(vocab=512)),
+    "factors_wrong_length": Case("pretrain", FACTORS, r"factors\.json: long_factor must be a list of 4 numbers",
+                                 setup=_factors([1.0, 2.0, 3.0])),
+    "factors_not_monotone": Case("pretrain", FACTORS, r"factors\.json: long_factor\[2\] = 1\.5 is below "
+                                 r"long_factor\[1\] = 2\.0", setup=_factors([1.0, 2.0, 1.5, 3.0])),
+    "factors_nan": Case("pretrain", FACTORS, r"factors\.json: long_factor\.1: .*finite",
+                        setup=_factors([1.0, float("nan"), 2.0, 3.0])),
+    "eval_lengths_past_every_window": Case("eval", {"eval": {"lengths": [256, 100000]}},
+                                           r"eval\.lengths: \[100000\] exceed every checkpoint's window "
+                                           r"\(the longest is 256\)", setup=_every_checkpoint),
+    "no_long_documents": Case("tokenize", {}, r"data/corpora/books\.parquet: domain 'books' kept no documents: none of "
+                              r"its 28 documents has >= 512 tokens \(the longest has \d+\)", setup=_short_books),
+    "nan_loss": Case("base", {"train": {"base": {"lr": 1e30}}},
+                     r"step \d+: (loss|gradient norm) is (nan|inf); no checkpoint .*documents", logs_steps=True),
+    "disk_full_before_packing": Case("pack", {}, r"data/packed: .* free, about .* needed for the packed splits",
+                                     setup=_folder(".in"), mounts=BIND_DATA.format("tokens", "64k")),
+    "disk_full_while_tokenizing": Case("tokenize", {}, r"data/.*No space left on device; outputs from before",
+                                       setup=_folder(".in"), mounts=BIND_DATA.format("corpora", "256k")),
+    "read_only_models": Case("base", {}, r"models/base: cannot write the base stage's outputs there "
+                             r"\(Read-only file system\)", setup=_folder("models"),
+                             mounts=READ_ONLY.format("models")),
+    "read_only_data": Case("pack", {}, r"data/packed: cannot write the pack stage's outputs there "
+                           r"\(Read-only file system\)", mounts=READ_ONLY.format("data")),
 }
 
 
@@ -93,31 +216,35 @@ def test_an_unreachable_tracking_server_can_fall_back_to_the_local_store(project
     assert pack_runs() == before + 1
 
 
-def _tree(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+def _tree(project: Path) -> dict[str, str]:
+    """Every file and folder of the project but the tracking store (a failed run is recorded)."""
+    return {str(p.relative_to(project)): hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+            for p in sorted(project.rglob("*")) if not p.relative_to(project).parts[0].startswith(("mlflow", "mlart"))}
 
 
-def _run_case(project: Path, case: Case) -> subprocess.CompletedProcess:
+def _run_case(project: Path, case: Case) -> tuple[subprocess.CompletedProcess, dict[str, str], float]:
+    """Runs the case; returns the stage's process, the project's tree just before it, and its seconds."""
     write_params(project, merge(SMALL, case.params))
     if case.setup is not None:
         case.setup(project)
-    return stage_process(project, case.stage, None, case.env)
+    before = _tree(project)
+    start = time.perf_counter()
+    done = stage_process(project, case.stage, None, case.env, case.mounts)
+    return done, before, time.perf_counter() - start
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_bad_input_fails_fast_with_one_clear_line_and_changes_nothing(name, project_copy):
     case = CASES[name]
-    before = _tree(project_copy / "data")
-    start = time.perf_counter()
-    done = _run_case(project_copy, case)
-    seconds = time.perf_counter() - start
+    done, before, seconds = _run_case(project_copy, case)
     assert done.returncode == 2, done.stdout[-1500:] + done.stderr[-1500:]
     errors = [line for line in done.stderr.splitlines() if line.startswith(f"{case.stage}: error: ")]
     assert len(errors) == 1 and re.search(case.message, errors[0]), done.stderr[-1500:]
     assert "Traceback" not in done.stdout + done.stderr
-    assert _tree(project_copy / "data") == before
-    assert not (project_copy / "models").exists() and not (project_copy / "runs").exists()
+    after = _tree(project_copy)
+    if case.logs_steps:
+        after = {k: v for k, v in after.items() if not k.startswith("runs")}
+    assert after == before
     assert seconds < 30
 
 
@@ -148,3 +275,14 @@ def test_a_killed_runs_temporaries_go_and_a_live_runs_stay(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*(p.name for p in kept), "packed"])
     # without a name, every output's stale temporaries go (a checkpoint folder at a run's start)
     assert clear_stale(tmp_path) == [tmp_path / f".tokens.tmp-{host}-{dead}-a1"]
+
+
+def test_the_space_pack_asks_for_bounds_what_it_writes(small_project):
+    from longctx.config import load
+    from longctx.data.pack import estimated_bytes
+
+    cfg = load(small_project / "params.yaml")
+    need = estimated_bytes(cfg, json.loads((small_project / "data/tokens/index.json").read_text()))
+    written = sum(f.stat().st_size for f in (small_project / "data/packed").rglob("*")
+                  if f.name in ("tokens.bin", "loss_mask.bin"))
+    assert written <= need <= 1.5 * written

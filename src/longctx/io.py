@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -69,6 +70,53 @@ def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
     os.replace(tmp, final)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG})
+"""Write failures that are the disk's or the folder's, not the program's: a stage reports them in
+one line (see stages/_run.py)."""
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def check_room(folder: str | os.PathLike, need: int, what: str) -> None:
+    """Before long work: `folder` (or, while it does not exist, the folder it will be made in)
+    takes writes and has `need` bytes free for `what`, so a read-only or full disk stops the
+    stage at its start, not after hours of it."""
+    from .errors import DataError
+
+    folder = Path(folder)
+    existing = next(p for p in (folder, *folder.parents) if p.is_dir())
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f".probe.tmp-{_owner()}-", dir=existing)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise DataError(f"{folder}: cannot write {what} there ({e.strerror})") from None
+    free = shutil.disk_usage(existing).free
+    if free < need:
+        raise DataError(f"{folder}: {_size(free)} free, about {_size(need)} needed for {what}: free space or move "
+                        "the project to a larger disk")
+
+
+def safetensors_file(tensors: dict, path: str | os.PathLike, metadata: dict[str, str] | None = None) -> None:
+    """safetensors' save_file, with its I/O failures (a full disk) raised as the OSError they are."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except SafetensorError as e:
+        code = re.search(r"os error (\d+)", str(e))  # "... No space left on device (os error 28)"
+        if code is None:
+            raise
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from e
 
 
 def write_json(path: str | os.PathLike, obj: Any) -> None:

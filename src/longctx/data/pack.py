@@ -306,6 +306,20 @@ def write_split(plan: SplitPlan, folder: Path, domains: list[str], dtype: np.dty
     return per_domain
 
 
+def estimated_bytes(cfg: Params, token_index: dict) -> int:
+    """At most what pack_all writes: per split its token budget (without one, the most the
+    scarcest domain allows at the mix, as in Planner.largest_tokens), a loss-mask byte per token
+    where it has SFT data."""
+    itemsize = np.dtype(token_index["dtype"]).itemsize
+    total = 0
+    for split, spec in cfg.pack.splits.items():
+        mix = cfg.flat_mix(split)
+        tokens = spec.tokens or min(token_index["domains"][d]["kept_tokens"] / share
+                                    for d, share in mix.items() if share > 0)
+        total += tokens * (itemsize + any(cfg.corpora.domains[d].kind == "sft" for d in mix))
+    return int(total)
+
+
 def pack_all(cfg: Params, tokens_dir: Path, out: Path, token_index: dict) -> dict:
     """Plan and write every split (train and val); return the manifest."""
     readers = {d: ShardReader(tokens_dir / d) for d in cfg.corpora.domains}

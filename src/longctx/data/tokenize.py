@@ -142,8 +142,10 @@ def tokenize_domains(
             all_lengths[domain] = seen
             writer.close(domain=domain, kind=kind, min_tokens=min_len, fingerprint=tok.fingerprint)
             if kept_docs == 0:
-                hint = f" (none has >= {min_len} tokens: lower tokenize.long_min_tokens)" if kind == "long" else ""
-                raise DataError(f"tokenize: domain {domain!r} kept no documents{hint}")
+                longest = int(seen.max()) if seen.size else 0
+                hint = (f": none of its {seen.size} documents has >= {min_len} tokens (the longest has {longest}); "
+                        "add longer documents or lower tokenize.long_min_tokens") if kind == "long" else ""
+                raise DataError(f"{path}: domain {domain!r} kept no documents{hint}")
             report[domain] = {
                 "kind": kind,
                 "docs": int(seen.size),

@@ -3,7 +3,7 @@ position encoding. Plain pydantic (no torch), so params can be validated before 
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -21,6 +21,10 @@ def head_dim_refused(backend: str, head_dim: int) -> str | None:
     return None
 Recompute = Literal["none", "full", "selective", "attention"]
 """Activation checkpointing of a block (model/recompute.py)."""
+
+
+Factor = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+"""A LongRoPE rescale factor: a positive, finite number."""
 
 
 class RopeConfig(BaseModel):
@@ -41,8 +45,8 @@ class RopeConfig(BaseModel):
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     # longrope
-    short_factor: list[float] | None = None
-    long_factor: list[float] | None = None
+    short_factor: list[Factor] | None = None
+    long_factor: list[Factor] | None = None
 
     @model_validator(mode="after")
     def _needs(self) -> RopeConfig:

@@ -9,9 +9,10 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from ..errors import DataError
+from ..io import safetensors_file
 from .config import ModelConfig
 from .rope import from_hf, hf_rope_parameters
 from .transformer import Transformer
@@ -150,12 +151,12 @@ def _save_weights(model: Transformer, folder: Path, prefix: str, shard_bytes: in
         shards[-1][k] = t
         size += t.numel() * t.element_size()
     if len(shards) == 1:
-        save_file(shards[0], str(folder / "model.safetensors"), metadata={"format": "pt"})
+        safetensors_file(shards[0], str(folder / "model.safetensors"), metadata={"format": "pt"})
         return
     weight_map = {}
     for i, shard in enumerate(shards, 1):
         name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(folder / name), metadata={"format": "pt"})
+        safetensors_file(shard, str(folder / name), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(shard, name))
     total = sum(t.numel() * t.element_size() for t in state.values())
     (folder / "model.safetensors.index.json").write_text(

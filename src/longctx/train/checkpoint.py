@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ..errors import DataError
-from ..io import atomic_dir
+from ..io import atomic_dir, safetensors_file
 
 NAME = re.compile(r"^step-(\d{8})$")
 
@@ -62,12 +62,12 @@ def save(root: Path, step: int, model: torch.nn.Module, opt: torch.optim.Optimiz
         weights = {k: v.detach().cpu().contiguous() for k, v in weights.items()}
         if _tied(model):
             weights.pop("lm_head.weight", None)
-        save_file(weights, str(tmp / "model.safetensors"))
-        save_file(tensors, str(tmp / "optimizer.safetensors"))
+        safetensors_file(weights, str(tmp / "model.safetensors"))
+        safetensors_file(tensors, str(tmp / "optimizer.safetensors"))
         rng = {"torch": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng |= {f"cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())}
-        save_file(rng, str(tmp / "rng.safetensors"))
+        safetensors_file(rng, str(tmp / "rng.safetensors"))
         py_state = random.getstate()
         doc = {"step": step, "state": state, "optimizer": meta,
                "python_random": [py_state[0], list(py_state[1]), py_state[2]]}

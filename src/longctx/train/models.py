@@ -107,10 +107,16 @@ def longrope_factors(path: str | Path, model: Transformer) -> RopeConfig:
         if not isinstance(params.get(key), list) or len(params[key]) != half:
             raise DataError(f"{path}: {key} must be a list of {half} numbers (head_dim {model.cfg.dim_head})")
     try:
-        return from_hf({"rope_type": "longrope", **params}, model.cfg.rope.theta)
+        rope = from_hf({"rope_type": "longrope", **params}, model.cfg.rope.theta)
     except ValidationError as e:
         err = e.errors()[0]
         raise DataError(f"{path}: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+    long = rope.long_factor
+    drop = next((i for i in range(1, len(long)) if long[i] < long[i - 1]), None)
+    if drop is not None:  # LongRoPE's factors grow with the dimension: a drop is a file in the wrong order or form
+        raise DataError(f"{path}: long_factor[{drop}] = {long[drop]} is below long_factor[{drop - 1}] = "
+                        f"{long[drop - 1]}: LongRoPE factors are non-decreasing")
+    return rope
 
 
 def save_model(model: Transformer, folder: Path, tokenizer_dir: Path | None) -> None:
