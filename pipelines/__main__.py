@@ -17,7 +17,7 @@ os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DVC_NO_ANALYTICS", "1")
 
-from .flows import pipeline  # noqa: E402
+from .flows import StageFailed, pipeline  # noqa: E402
 
 
 def summary(ws: Path) -> str:
@@ -69,7 +69,11 @@ def summary(ws: Path) -> str:
 def main() -> None:
     ws = Path(sys.argv[1] if len(sys.argv) > 1 else ".").resolve()
     start = time.perf_counter()
-    pipeline(str(ws))
+    try:
+        pipeline(str(ws))
+    except StageFailed as e:  # the stage's own error and how to rerun; Prefect's log has the rest
+        print(f"\nlongctx pipeline: {e}", file=sys.stderr)
+        sys.exit(1)
     print(f"\nlongctx pipeline finished in {time.perf_counter() - start:.0f} s\n")
     print(summary(ws))
     print("\nperplexity at the longest length with validation documents; every length in metrics/eval.json")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import re
 import subprocess
@@ -42,7 +43,24 @@ GPU_LIMIT = "longctx-gpu"
 
 
 class StageFailed(RuntimeError):
-    """A stage exited non-zero; the message is its own error output."""
+    """A stage exited non-zero; the message is its own error output and how to rerun."""
+
+
+class _StageFailedWithoutTraceback(logging.Filter):
+    """Prefect logs the exception that ends a flow with its traceback; a StageFailed's message
+    is already the stage's own error, and the traceback through Prefect's engine adds nothing."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], StageFailed):
+            record.exc_info = record.exc_text = None
+        return True
+
+
+for _name in ("prefect.flow_runs", "prefect.task_runs"):
+    logging.getLogger(_name).addFilter(_StageFailedWithoutTraceback())
+
+RERUN = ("fix that, then rerun the pipeline (the stages that finished are kept and skipped) or this stage "
+         "alone: dvc repro {}")
 
 
 @contextmanager
@@ -126,7 +144,7 @@ def run_stage(workspace: str, stage: str, parent_run: str | None, tracking_uri: 
         code = proc.wait()
     if code != 0:
         errors = [t for t in tail if "error" in t.lower()] or tail[-10:]
-        raise StageFailed(f"stage {stage} failed (exit {code}):\n" + "\n".join(errors))
+        raise StageFailed(f"stage {stage} failed (exit {code}):\n" + "\n".join(errors) + "\n" + RERUN.format(stage))
     metrics = ws / "metrics" / f"{stage}.json"
     return json.loads(metrics.read_text()) if metrics.is_file() else {}
 

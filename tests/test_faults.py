@@ -8,8 +8,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -22,7 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import SMALL, stage_process, write_params
+from conftest import REPO, SMALL, dvc_workspace, sh, stage_process, write_params
 from longctx.config import merge
 from longctx.io import atomic_dir, clear_stale
 
@@ -286,3 +288,112 @@ def test_the_space_pack_asks_for_bounds_what_it_writes(small_project):
     written = sum(f.stat().st_size for f in (small_project / "data/packed").rglob("*")
                   if f.name in ("tokens.bin", "loss_mask.bin"))
     assert written <= need <= 1.5 * written
+
+
+def _killed_when(proc: subprocess.Popen, ready: Callable[[], bool], deadline_s: float = 300) -> None:
+    """SIGKILL the process group of `proc` (dvc and the stage under it) once `ready()` holds."""
+    deadline = time.time() + deadline_s
+    while not ready() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    assert proc.poll() is None, "the stage finished before it was killed"
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def _writing(ws: Path, output: str) -> Callable[[], bool]:
+    """True once the stage's temporary output holds a file of some size: it is mid-write."""
+    return lambda: any(f.is_file() and f.stat().st_size > 0
+                       for tmp in (ws / "data").glob(f".{output}.tmp-*") for f in tmp.rglob("*"))
+
+
+@pytest.mark.slow
+def test_dvc_repro_after_a_kill_and_beside_another_repro(tmp_path):
+    """SIGKILL mid-write in tokenize and in pack: nothing half-written is taken for an output, and
+    `dvc repro` reruns the stage whole (its temporaries cleared). A second `dvc repro` in the same
+    workspace while one runs is refused at once by DVC's lock and harms nothing."""
+    ws = tmp_path / "ws"
+    env = dvc_workspace(ws, SMALL)
+    sh(["dvc", "repro", "corpora"], ws, env)
+    for stage, output in (("tokenize", "tokens"), ("pack", "packed")):
+        proc = subprocess.Popen(["dvc", "repro", stage], cwd=ws, env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
+        _killed_when(proc, _writing(ws, output))
+        assert not (ws / "data" / output).exists() and list((ws / "data").glob(f".{output}.tmp-*"))
+        assert stage in sh(["dvc", "status", stage], ws, env)
+
+        first = subprocess.Popen(["dvc", "repro", stage], cwd=ws, env=env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        deadline = time.time() + 120
+        while not _writing(ws, output)() and first.poll() is None and time.time() < deadline:
+            time.sleep(0.02)
+        start = time.perf_counter()
+        second = subprocess.run(["dvc", "repro", stage], cwd=ws, env=env, capture_output=True, text=True, timeout=60)
+        assert time.perf_counter() - start < 30 and first.poll() is None, "the first repro ended before the second"
+        assert second.returncode != 0 and re.search(rf"is busy, it is being blocked by:\n +\(PID {first.pid}\): "
+                                                    rf".*dvc repro {stage}", second.stderr), second.stderr
+        assert first.wait(timeout=600) == 0, first.stdout.read()[-2000:]
+        assert not list((ws / "data").glob(f".{output}.*")), "the killed run's temporaries are left"
+        assert "Data and pipelines are up to date" in sh(["dvc", "status", stage], ws, env)
+    manifest = json.loads((ws / "data/packed/manifest.json").read_text())
+    for split in manifest["splits"]:
+        for part in ("train", "val"):
+            index = json.loads((ws / f"data/packed/{split}/{part}/index.json").read_text())
+            size = (ws / f"data/packed/{split}/{part}/tokens.bin").stat().st_size
+            assert size == index["sequences"] * index["seq_len"] * 2  # uint16 ids: every sequence whole
+
+
+@pytest.mark.slow
+def test_the_main_command_names_the_failing_stage_and_how_to_rerun(tmp_path):
+    ws = tmp_path / "ws"
+    env = dvc_workspace(ws, merge(SMALL, {"corpora": {"domains": {"books": {"sources": [{"path": "no-books"}]}}}}))
+    done = subprocess.run([sys.executable, "-m", "pipelines", str(ws)], cwd=ws, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 1
+    assert "Traceback" not in done.stdout + done.stderr
+    tail = done.stderr[done.stderr.index("longctx pipeline: "):]
+    assert re.search(r"longctx pipeline: stage corpora failed .*\ncorpora: error: no-books: source path does not "
+                     r"exist\n(.*\n)*fix that, then rerun the pipeline .* dvc repro corpora", tail), tail
+    assert not (ws / "data" / "corpora").exists()
+
+
+RESUMABLE = merge(SMALL, {"train": {
+    "base": {"steps": 10, "checkpoint_every": 2},
+    "pretrain": {"stages": [{**s, "steps": 6, "checkpoint_every": 2} for s in SMALL["train"]["pretrain"]["stages"]]},
+    "sft": {"steps": 6, "checkpoint_every": 2},
+}})
+
+
+def _steps_logged(project: Path, stage: str) -> int:
+    return sum(len(f.read_text().splitlines()) for f in (project / "runs").glob(f"{stage}*/*/metrics.jsonl"))
+
+
+def _losses(project: Path) -> dict[str, list[float]]:
+    return {f.parent.parent.name: [json.loads(line)["loss"] for line in f.read_text().splitlines()]
+            for f in sorted((project / "runs").glob("*/*/metrics.jsonl"))}
+
+
+@pytest.mark.slow
+def test_training_stages_killed_three_times_each_resume_bitwise(small_project, tmp_path):
+    """base, pretrain (both curriculum stages) and sft, each SIGKILLed at three random points of
+    its training and started again each time: every step's loss and the final weights are the
+    uninterrupted run's, bit for bit."""
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    for project in (straight, killed):
+        shutil.copytree(small_project, project)
+        write_params(project, RESUMABLE)
+    rng = random.Random(19)
+    path = os.pathsep.join([str(REPO / "src"), str(REPO)])
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
+    for stage, steps in (("base", 10), ("pretrain", 12), ("sft", 6)):
+        done = stage_process(straight, stage, None)
+        assert done.returncode == 0, done.stderr[-2000:]
+        for at in sorted(rng.sample(range(1, steps), 3)):
+            proc = subprocess.Popen([sys.executable, "-m", f"stages.{stage}"], cwd=killed, env=env,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+            _killed_when(proc, lambda: _steps_logged(killed, stage) >= at)  # noqa: B023 (called at once)
+        done = stage_process(killed, stage, None)
+        assert done.returncode == 0, done.stderr[-2000:]
+    assert _losses(killed) == _losses(straight)  # exact floats
+    assert sorted(_losses(straight)) == ["base", "pretrain_stage1", "pretrain_stage2", "sft"]
+    weights = "models/sft/model.safetensors"
+    assert (killed / weights).read_bytes() == (straight / weights).read_bytes()
