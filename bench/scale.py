@@ -143,12 +143,39 @@ def scaling(results: list[dict]) -> list[dict]:
     return out
 
 
+def long_vs_short(results: list[dict]) -> list[dict]:
+    """Each sequence-parallel row against the fastest FSDP row of the same model, world size and
+    recomputation. A token of a 512K sequence costs more attention FLOPs than one of a 64K
+    sequence, so the MFU ratio is the attention-FLOP-adjusted throughput ratio (ProLong's stage 2
+    against its stage 1; the goal is >= 0.8)."""
+    rows = [{**r, "world": res["world"]} for res in results for r in res["rows"] if "tokens_per_s_per_gpu" in r]
+    out = []
+    for long in (r for r in rows if r["setting"].endswith("sp")):
+        peers = [r for r in rows if r["setting"] == long["setting"][:-2] + "fsdp" and r["world"] == long["world"]
+                 and r["recompute"] == long["recompute"]]
+        if not peers:
+            continue
+        short = max(peers, key=lambda r: r["tokens_per_s_per_gpu"])
+        out.append({"setting": long["setting"], "world": long["world"], "seq": long["seq"], "short_seq": short["seq"],
+                    "recompute": long["recompute"], "tokens_per_s_per_gpu": long["tokens_per_s_per_gpu"],
+                    "short_tokens_per_s_per_gpu": short["tokens_per_s_per_gpu"],
+                    "ratio": round(long["tokens_per_s_per_gpu"] / short["tokens_per_s_per_gpu"], 3),
+                    "flop_adjusted_ratio": round(long["mfu"] / short["mfu"], 3) if "mfu" in long and "mfu" in short
+                    else None})  # (no MFU on a CPU: no peak to divide by)
+    return out
+
+
 def compare(paths: list[Path]) -> None:
-    rows = scaling([json.loads(p.read_text()) for p in paths])
+    results = [json.loads(p.read_text()) for p in paths]
     print(f"{'setting':<9} {'seq':>7} {'GPUs':>5} {'tokens/s/GPU':>13} {'efficiency':>11}")
-    for r in rows:
+    for r in scaling(results):
         print(f"{r['setting']:<9} {r['seq']:>7} {r['world']:>5} {r['tokens_per_s_per_gpu']:>13} "
               f"{r['efficiency']:>8} vs {r['base_world']}")
+    print(f"\n{'setting':<9} {'GPUs':>5} {'seq':>7} {'tokens/s/GPU':>13} {'vs seq':>7} {'tokens/s/GPU':>13} "
+          f"{'ratio':>6} {'FLOP-adjusted':>14}")
+    for r in long_vs_short(results):
+        print(f"{r['setting']:<9} {r['world']:>5} {r['seq']:>7} {r['tokens_per_s_per_gpu']:>13} {r['short_seq']:>7} "
+              f"{r['short_tokens_per_s_per_gpu']:>13} {r['ratio']:>6} {r['flop_adjusted_ratio'] or '-':>14}")
 
 
 def main() -> None:
@@ -173,7 +200,7 @@ def main() -> None:
     ap.add_argument("--tag", default="", help="appended to the result file's name")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     ap.add_argument("--compare", type=Path, nargs="+", help="JSON results of runs at several GPU counts: "
-                    "print the scaling efficiency and exit")
+                    "print the scaling efficiency, and sequence parallelism against FSDP, and exit")
     args = ap.parse_args()
     if args.compare:
         return compare(args.compare)

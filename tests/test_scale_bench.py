@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -49,6 +50,24 @@ def test_two_ranks_report_every_setting_and_match_one_process(tmp_path):
     shown = subprocess.run([sys.executable, "bench/scale.py", "--compare", *map(str, tmp_path.glob("*/scale-*.json"))],
                            cwd=REPO, capture_output=True, text=True, check=True).stdout
     assert "efficiency" in shown and "fox-fsdp" in shown
+    assert re.search(r"\nsp +2 +2048 .* 1024 ", shown)  # sp against fsdp of the same run
+
+
+def test_sequence_parallelism_is_compared_with_fsdp_of_the_same_model_ranks_and_recomputation():
+    sys.path.insert(0, str(REPO / "bench"))
+    from scale import long_vs_short
+
+    def row(setting, seq, recompute, speed, mfu):
+        return {"setting": setting, "seq": seq, "recompute": recompute, "tokens_per_s_per_gpu": speed, "mfu": mfu}
+
+    eight = {"world": 8, "rows": [
+        row("fsdp", 65536, "full", 6000.0, 0.40), row("fsdp", 65536, "full", 5000.0, 0.33),
+        row("fsdp", 65536, "attention", 7000.0, 0.45), row("sp", 524288, "full", 3000.0, 0.36),
+        row("fox-sp", 524288, "full", 4000.0, 0.30), {"setting": "sp", "error": "oom"}]}
+    two = {"world": 2, "rows": [row("fsdp", 65536, "full", 9999.0, 0.9), row("fox-fsdp", 65536, "full", 1.0, 0.1)]}
+    (only,) = long_vs_short([eight, two])  # fox-sp has no FoX FSDP row on 8 ranks; the 2-rank rows are not its peers
+    assert only["setting"] == "sp" and only["world"] == 8 and only["short_tokens_per_s_per_gpu"] == 6000.0
+    assert only["ratio"] == 0.5 and only["flop_adjusted_ratio"] == 0.9
 
 
 def test_a_steps_sequences_are_dealt_by_attention_cost():
