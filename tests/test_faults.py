@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -409,3 +410,59 @@ def test_training_stages_killed_three_times_each_resume_bitwise(small_project, t
     assert sorted(_losses(straight)) == ["base", "pretrain_stage1", "pretrain_stage2", "sft"]
     weights = "models/sft/model.safetensors"
     assert (killed / weights).read_bytes() == (straight / weights).read_bytes()
+
+
+LOSES_ITS_SERVER = """
+import os, signal, sys, time
+from pathlib import Path
+from longctx.config import TrackingParams
+from longctx.tracking import stage_run
+
+port, server = sys.argv[1], int(sys.argv[2])
+with stage_run(TrackingParams(uri=f"http://127.0.0.1:{port}"), Path.cwd(), "base", {"lr": 1}) as tracker:
+    tracker.metrics({"loss": 1.0}, step=1)
+    os.killpg(server, signal.SIGKILL)
+    time.sleep(1)
+    start = time.perf_counter()
+    tracker.metrics({"loss": 0.5}, step=2)
+    with tracker.nested("pretrain_stage1", {}) as child:
+        child.metrics({"loss": 0.25}, step=1)
+    tracker.text("done", "done.txt")
+    print(f"went on for {time.perf_counter() - start:.1f} s")
+"""
+
+
+@pytest.mark.slow
+def test_a_tracking_server_that_dies_mid_stage_is_said_once_and_the_stage_goes_on(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen(["mlflow", "server", "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
+                               "--host", "127.0.0.1", "--port", str(port)], cwd=tmp_path, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).close()
+                break
+            except OSError:
+                time.sleep(0.5)
+        env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+        done = subprocess.run([sys.executable, "-c", LOSES_ITS_SERVER, str(port), str(server.pid)], cwd=tmp_path,
+                              env=env, capture_output=True, text=True, timeout=300)
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stderr.count("stopped answering") == 1, done.stderr[-2000:]
+    assert f"tracking: the MLflow server at http://127.0.0.1:{port} stopped answering" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert float(re.search(r"went on for ([\d.]+) s", done.stdout).group(1)) < 60
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'server.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("longctx").experiment_id])
+    assert [m.value for m in client.get_metric_history(run.info.run_id, "base/loss")] == [1.0]  # what it had

@@ -93,35 +93,85 @@ class Tracker:
         self._mlflow = mlflow
         self.section = section
 
+    def _record(self, call: str, *args, **kwargs) -> None:
+        """One call of mlflow's; a tracking server that stops answering mid-run is said once and
+        recording stops there: the stage goes on (its numbers are in metrics/ and runs/), rather
+        than hours of training ending in a traceback."""
+        if not self._mlflow or _server_lost:
+            return
+        try:
+            getattr(self._mlflow, call)(*args, **kwargs)
+        except Exception as e:
+            if not _lost_server(e):
+                raise
+
     def metrics(self, values: dict[str, float], step: int | None = None) -> None:
-        if self._mlflow:
-            clean = {f"{self.section}/{k}": float(v) for k, v in values.items() if isinstance(v, (int, float))}
-            self._mlflow.log_metrics(clean, step=step)
+        clean = {f"{self.section}/{k}": float(v) for k, v in values.items() if isinstance(v, (int, float))}
+        self._record("log_metrics", clean, step=step)
 
     def artifact(self, path: Path, folder: str | None = None) -> None:
-        if self._mlflow and Path(path).exists():
-            if Path(path).is_dir():
-                self._mlflow.log_artifacts(str(path), folder)
-            else:
-                self._mlflow.log_artifact(str(path), folder)
+        if Path(path).exists():
+            self._record("log_artifacts" if Path(path).is_dir() else "log_artifact", str(path), folder)
 
     def text(self, text: str, name: str) -> None:
-        if self._mlflow:
-            self._mlflow.log_text(text, name)
+        self._record("log_text", text, name)
+
+    def params(self, values: dict[str, str]) -> None:
+        self._record("log_params", values)
+
+    def end(self, status: str) -> None:
+        self._record("end_run", status)
 
     @contextlib.contextmanager
     def nested(self, name: str, tags: dict[str, str]) -> Iterator[Tracker]:
         """A child run of this one (a curriculum stage of pretrain: its own loss curve from step
         1 and its own final values, not one run's keys written twice); ends FAILED if the body
         raises."""
-        if not self._mlflow:
+        if not self._mlflow or _server_lost:
             yield Tracker()
             return
-        parent = self._mlflow.active_run()  # the stage's run: its experiment, its tags
-        inherited = {k: v for k, v in parent.data.tags.items() if not k.startswith("mlflow.")}
-        with self._mlflow.start_run(experiment_id=parent.info.experiment_id, run_name=name, nested=True,
-                                    tags=inherited | tags):
-            yield Tracker(self._mlflow, self.section)
+        try:
+            parent = self._mlflow.active_run()  # the stage's run: its experiment, its tags
+            inherited = {k: v for k, v in parent.data.tags.items() if not k.startswith("mlflow.")}
+            self._mlflow.start_run(experiment_id=parent.info.experiment_id, run_name=name, nested=True,
+                                   tags=inherited | tags)
+        except Exception as e:
+            if not _lost_server(e):
+                raise
+        with _ending(Tracker(self._mlflow, self.section)) as child:
+            yield child
+
+
+_server_lost = False
+
+
+def _lost_server(error: Exception) -> bool:
+    """Whether `error` is a remote tracking server gone silent (then said once, and no more
+    calls are made in this process); False for anything else, which the caller raises."""
+    global _server_lost
+    import mlflow
+    import requests
+
+    uri = mlflow.get_tracking_uri()
+    transport = isinstance(error, (requests.RequestException, OSError)) or "API request to" in str(error)
+    if not uri.startswith(("http://", "https://")) or not transport:
+        return False
+    if not _server_lost:
+        _server_lost = True
+        print(f"tracking: the MLflow server at {uri} stopped answering ({str(error)[:200]}); the stage goes on "
+              "without recording to it (its numbers are in metrics/ and runs/)", file=sys.stderr)
+    return True
+
+
+@contextlib.contextmanager
+def _ending(tracker: Tracker) -> Iterator[Tracker]:
+    """The tracker's active run ends FINISHED, or FAILED if the body raises."""
+    try:
+        yield tracker
+    except BaseException:
+        tracker.end("FAILED")
+        raise
+    tracker.end("FINISHED")
 
 
 def git_commit(root: Path) -> str | None:
@@ -173,11 +223,12 @@ def stage_run(cfg: TrackingParams, root: Path, stage: str, params: dict[str, Any
     exp_id = experiment_id(cfg, root)
     # under the Prefect pipeline each stage is a child of the pipeline run's MLflow run
     parent = os.environ.get(PARENT_ENV)
-    with mlflow.start_run(experiment_id=exp_id, run_name=stage, tags=run_tags(root, stage), parent_run_id=parent):
+    mlflow.start_run(experiment_id=exp_id, run_name=stage, tags=run_tags(root, stage), parent_run_id=parent)
+    with _ending(Tracker(mlflow, section or stage)) as tracker:
         items = [(k, str(v)[:MAX_PARAM_CHARS]) for k, v in params.items()]
         for i in range(0, len(items), 100):
-            mlflow.log_params(dict(items[i:i + 100]))
-        yield Tracker(mlflow, section or stage)
+            tracker.params(dict(items[i:i + 100]))
+        yield tracker
 
 
 def open_run(cfg: TrackingParams, root: Path, stage: str, name: str, tags: dict[str, str] | None = None) -> str | None:
