@@ -1,7 +1,10 @@
 """Bad input and faults against the real stages (issue 19's catalogue), each held to one
 contract: the documented exit code (2), a one-line message naming the file, key or value, no
-traceback, nothing the stage had written before changed, and an answer within seconds. Then:
-what a killed run leaves behind is cleared by the next one, and never another live run's work."""
+traceback, nothing of the project changed, and an answer within seconds (a full or read-only
+disk in a private mount namespace). Then: what a killed run leaves behind is cleared by the next
+one, and never another live run's work; `dvc repro` after a SIGKILL, and beside another repro;
+training stages killed three times each resume bitwise; the main command names a failing stage;
+a tracking server that dies mid-stage costs the stage nothing."""
 
 from __future__ import annotations
 
