@@ -328,9 +328,9 @@ def _writing(ws: Path, output: str) -> Callable[[], bool]:
 def test_dvc_repro_after_a_kill_and_beside_another_repro(tmp_path):
     """SIGKILL mid-write in tokenize and in pack: nothing half-written is taken for an output, and
     `dvc repro` reruns the stage whole (its temporaries cleared). A second `dvc repro` in the same
-    workspace while one runs is refused at once by DVC's lock and harms nothing."""
+    workspace while one trains is refused at once by DVC's lock and harms nothing."""
     ws = tmp_path / "ws"
-    env = dvc_workspace(ws, SMALL)
+    env = dvc_workspace(ws, merge(SMALL, {"train": {"base": {"steps": 800, "checkpoint_every": 400}}}))  # ~10 s
     sh(["dvc", "repro", "corpora"], ws, env)
     for stage, output in (("tokenize", "tokens"), ("pack", "packed")):
         writing = _writing(ws, output)
@@ -339,20 +339,7 @@ def test_dvc_repro_after_a_kill_and_beside_another_repro(tmp_path):
         _killed_when(proc, writing)
         assert not (ws / "data" / output).exists() and list((ws / "data").glob(f".{output}.tmp-*"))
         assert stage in sh(["dvc", "status", stage], ws, env)
-
-        writing = _writing(ws, output)
-        first = subprocess.Popen(["dvc", "repro", stage], cwd=ws, env=env, stdout=subprocess.PIPE,
-                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        deadline = time.time() + 120
-        while not writing() and first.poll() is None and time.time() < deadline:
-            time.sleep(0.02)
-        start = time.perf_counter()
-        second = subprocess.run(["dvc", "repro", stage], cwd=ws, env=env, capture_output=True, text=True, timeout=60)
-        assert first.poll() is None, f"the first repro ended before the second:\n{first.stdout.read()[-3000:]}"
-        assert time.perf_counter() - start < 30
-        assert second.returncode != 0 and re.search(rf"is busy, it is being blocked by:\n +\(PID {first.pid}\): "
-                                                    rf".*dvc repro {stage}", second.stderr), second.stderr
-        assert first.wait(timeout=600) == 0, first.stdout.read()[-2000:]
+        sh(["dvc", "repro", stage], ws, env)
         assert not list((ws / "data").glob(f".{output}.*")), "the killed run's temporaries are left"
         assert "Data and pipelines are up to date" in sh(["dvc", "status", stage], ws, env)
     manifest = json.loads((ws / "data/packed/manifest.json").read_text())
@@ -361,6 +348,23 @@ def test_dvc_repro_after_a_kill_and_beside_another_repro(tmp_path):
             index = json.loads((ws / f"data/packed/{split}/{part}/index.json").read_text())
             size = (ws / f"data/packed/{split}/{part}/tokens.bin").stat().st_size
             assert size == index["sequences"] * index["seq_len"] * 2  # uint16 ids: every sequence whole
+
+    log = tmp_path / "first.log"  # (a pipe nobody reads would fill and stop it)
+    with log.open("w") as out:
+        first = subprocess.Popen(["dvc", "repro", "base"], cwd=ws, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+    deadline = time.time() + 300
+    while _steps_logged(ws, "base") < 1 and first.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert first.poll() is None, log.read_text()[-3000:]
+    start = time.perf_counter()
+    second = subprocess.run(["dvc", "repro", "base"], cwd=ws, env=env, capture_output=True, text=True, timeout=60)
+    assert time.perf_counter() - start < 30
+    assert second.returncode != 0 and re.search(rf"is busy, it is being blocked by:\n +\(PID {first.pid}\): "
+                                                r".*dvc repro base", second.stderr), second.stderr
+    assert first.wait(timeout=600) == 0, log.read_text()[-2000:]
+    assert _steps_logged(ws, "base") == 800
+    assert "Data and pipelines are up to date" in sh(["dvc", "status", "base"], ws, env)
 
 
 @pytest.mark.slow
