@@ -29,10 +29,6 @@ def vocab_size() -> int:
     return int(read_json(TOKENS / "index.json", "token index")["vocab_size"])
 
 
-def split_data(stage: StageParams) -> tuple[PackedDataset, PackedDataset]:
-    return PackedDataset(PACKED / stage.split / "train"), PackedDataset(PACKED / stage.split / "val")
-
-
 def load(init: str | Path, attention_backend: str) -> Transformer:
     """A checkpoint to train or score on this project's tokens. One saved by a stage records its
     tokenizer, which must be the one data/tokens was made with; any checkpoint's vocabulary must
@@ -83,7 +79,7 @@ def fit(name: str, stage: StageParams, model: Transformer, init: str, tracker, p
     """Train one stage (resuming if a run of it was interrupted) on every rank; write its loss
     curve to `plot` (CSV, a DVC plot); return the trained model, whole on every rank, and its
     summary."""
-    train_data, val_data = split_data(stage)
+    train_data, val_data = (PackedDataset(PACKED / stage.split / part) for part in ("train", "val"))
     folder = run_folder(name, stage, model, init)
     if par.main:
         weights = sum(p.numel() * p.element_size() for p in model.parameters())

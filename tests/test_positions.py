@@ -26,7 +26,6 @@ from longctx.model.positions import (
 )
 from longctx.model.transformer import Transformer
 from longctx.train.loop import train
-from longctx.train.models import base_config
 
 ENCODINGS = {"learned": dict(learned_positions=LearnedPositions()), "alibi": dict(alibi=True),
              "seqpe": dict(seqpe=SeqPEConfig(digits=4, dim=32, heads=2))}
@@ -194,8 +193,8 @@ def test_bad_settings_are_named():
 @pytest.mark.parametrize("position", ["rope", "learned", "alibi", "seqpe", "none"])
 def test_params_choose_the_position_encoding(position):
     params = ModelParams(d_model=32, n_layers=1, n_heads=2, ffn_dim=64, max_position_embeddings=64, position=position)
-    assert base_config(params, 97).position == position
-    assert base_config(params.model_copy(update={"position": None}), 97).position == "rope"
+    assert params.as_model_config(97).position == position
+    assert params.model_copy(update={"position": None}).as_model_config(97).position == "rope"
 
 
 def test_training_a_seqpe_model_logs_its_regularisers(small_project, tmp_path):

@@ -19,6 +19,8 @@ def head_dim_refused(backend: str, head_dim: int) -> str | None:
     if backend == "fox" and (head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1)):
         return "takes a power-of-two head_dim from 16 to 256"
     return None
+
+
 Recompute = Literal["none", "full", "selective", "attention"]
 """Activation checkpointing of a block (model/recompute.py)."""
 

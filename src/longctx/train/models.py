@@ -43,13 +43,8 @@ def preset(shape: str, arch: Literal["llama", "fox"] = "llama", window: int | No
     return ModelConfig(**dims)
 
 
-def base_config(params: ModelParams, vocab_size: int) -> ModelConfig:
-    """The ModelConfig a base model is built from (ModelParams.as_model_config)."""
-    return params.as_model_config(vocab_size)
-
-
 def base_model(params: ModelParams, vocab_size: int, seed: int, device: torch.device | str = "cpu") -> Transformer:
-    return build(base_config(params, vocab_size), params.attention_backend, seed, device)
+    return build(params.as_model_config(vocab_size), params.attention_backend, seed, device)
 
 
 def load_model(path: str | Path, attention_backend: str = "auto") -> Transformer:
