@@ -2,16 +2,17 @@
 # On a one-GPU CUDA machine without internet: the CUDA tests, then benchmarks (carry .whl:
 # pydantic; fla-core for the attention bench's peer). Logs and JSON go to $OUT (or bench/results).
 #   bash bench/gpu_run.sh [tests] [train_throughput] [model_step] [attention] [gates] [positions] [decode]
-#   (default: all)
+#                         [fox_training] [fox_kernel]   (default: all)
 # gates: a FoX (Pro) 125M trained 300 steps on data/packed/stage2 (carry it: the tiny profile's pack
-# stage makes it), then attention.py with its forget gates at 16K and 64K. positions: bench/positions.py on
-# the same split.
+# stage makes it), its gates sampled for tests/test_fox_kernel.py, then attention.py with its forget gates
+# at 16K and 64K. positions: bench/positions.py on the same split. fox_training / fox_kernel: the two
+# parts of bench/fox_check.py (the kernel part beside bench/work/kernel_cf47ec1.py when carried).
 set -uo pipefail
 out=${OUT:-bench/results}
 mkdir -p "$out"
 source bench/gpu_env.sh || exit 1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-parts=${*:-tests train_throughput model_step attention gates positions decode}
+parts=${*:-tests fox_training fox_kernel train_throughput model_step attention gates positions decode}
 status=0
 for part in $parts; do
   case $part in
@@ -20,7 +21,13 @@ for part in $parts; do
              --deselect tests/test_fox_kernel.py::test_training_with_acp_logs_the_pruned_fraction \
              2>&1 | tee "$out/gpu_tests.log" ;;  # (that one runs the data stages: mlflow, not on the image)
     train_throughput) python3 bench/train_throughput.py --profile --out "$out" 2>&1 | tee "$out/train_throughput.log" ;;
-    gates) python3 bench/train_fox.py --data data/packed/stage2 --steps 300 --out bench/work/fox 2>&1 | tail -1 \
+    fox_training) python3 bench/fox_check.py --parts training --data data/packed/stage2 --out "$out" 2>&1 \
+             | tee "$out/fox_training.log" ;;
+    fox_kernel) before=()
+             [ -f bench/work/kernel_cf47ec1.py ] && before=(--before bench/work/kernel_cf47ec1.py)
+             python3 bench/fox_check.py --parts kernel "${before[@]}" --out "$out" 2>&1 | tee "$out/fox_kernel.log" ;;
+    gates) python3 bench/train_fox.py --data data/packed/stage2 --steps 300 --out bench/work/fox \
+             --export-gates "$out/fox_trained_gates.safetensors" 2>&1 | tail -1 \
              | tee "$out/train_fox.log" \
            && python3 bench/attention.py --gates-from bench/work/fox/model --gates-data data/packed/stage2/val \
              --lengths 16384 65536 --out "$out/gates" 2>&1 | tee "$out/gates.log" ;;

@@ -32,8 +32,8 @@ SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448}
 
 # argument types by name: 16-bit activations, fp32 decay / statistics, int32 bounds
 POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "OUT": "*bf16", "DO": "*bf16", "DQ": "*bf16", "DK": "*bf16",
-            "DV": "*bf16", "LAM": "*fp32", "ROW": "*fp32", "DELTA": "*fp32", "LSE": "*fp32", "DLQ": "*fp32",
-            "DLAM": "*fp32", "START": "*i32", "END": "*i32", "KSTART": "*i32", "QEND": "*i32", "scale": "fp32",
+            "DV": "*bf16", "LAM": "*fp32", "ROW": "*fp32", "DELTA": "*fp32", "LSE": "*fp32", "DLAM": "*fp32",
+            "DCOL": "*fp32", "START": "*i32", "END": "*i32", "KSTART": "*i32", "QEND": "*i32", "scale": "fp32",
             "sm_scale": "fp32", "LOGF": "*fp32", "DLOGF": "*fp32", "CU": "*i32", "TILES": "*i32"}
 KERNELS = {"fwd": (fk._fwd_kernel, fk.FWD_OPTIONS), "dq": (fk._dq_kernel, fk.DQ_OPTIONS),
            "dkdv": (fk._dkdv_kernel, fk.DKDV_OPTIONS), "bounds": (fk._bounds_kernel, [(0, 0, 1, 1)]),

@@ -7,7 +7,9 @@ fp32 at small sizes."""
 
 from __future__ import annotations
 
+import itertools
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -278,3 +280,151 @@ def test_acp_needs_a_fox_model_and_the_kernel():
     model.acp = Acp()
     with pytest.raises(ValueError, match="ACP prunes FoX attention with the 'fox' attention backend"):
         model(torch.zeros(8, dtype=torch.long, device=DEV))
+
+
+# --- where training lives: gate regimes x document layouts; dtype x head dim x GQA x ACP --------
+# (issue 31: d log f was wrong on each shape's first, autotuned call; every earlier test ran with
+# tuning off and gentle gates, so none saw it). Each gradient is judged per head against float64.
+
+TRAINED_GATES = Path(__file__).parent / "data" / "fox_trained_gates.safetensors"
+"""Log forget gates of a trained FoX (Pro) 125M on packed text (bench/train_fox.py --export-gates):
+heads spread over its layers, from the fastest-forgetting to the slowest."""
+MATRIX_N = (4096 if CUDA else 256) + 35  # not a multiple of any block
+DTYPES = [torch.bfloat16, torch.float16, torch.float32] if CUDA else [torch.float32, torch.float16]
+# the interpreter runs fp32 and fp16 (numpy has no bfloat16); fp32 products are exact, but Lambda
+# is an fp32 sum of up to N log gates: at N = 4K fast heads reach |Lambda| ~ 1e4, whose rounding
+# alone moves a probability by ~1e-3
+TOLS = {torch.float32: 2e-3 if CUDA else 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
+
+
+def gate_regime(kind: str, n: int, h: int, gen: torch.Generator) -> torch.Tensor:
+    """Log forget gates [n, h]: `mixed`, one head per decay rate from f ~ 0.6 to f ~ 0.999 (the
+    issue's); `fast`, every head forgetting within a few tokens; `slow`, every head near 1;
+    `trained`, a trained model's heads (the file above)."""
+    if kind == "trained":
+        from safetensors.torch import load_file
+
+        sample = load_file(str(TRAINED_GATES))["log_f"].float()
+        cols = torch.linspace(0, sample.shape[1] - 1, h).round().long()
+        return sample[torch.arange(n) % sample.shape[0]][:, cols]
+    bias, noise = {"mixed": ((0.5, 7.0), 0.7), "fast": ((-2.0, 1.0), 0.5), "slow": ((7.0, 12.0), 0.3)}[kind]
+    return F.logsigmoid(torch.linspace(*bias, h) + noise * torch.randn(n, h, generator=gen))
+
+
+def doc_layout(kind: str, n: int, gen: torch.Generator) -> list[int]:
+    """cu_seqlens: `one` document; `many` (one per ~40 tokens); `singles`, length-1 documents at
+    the start, after a quarter and at the end, around two long ones (as the issue's); `edges`, every document ending
+    on a tile (64) or block (128) edge, one on the prepare scan's block edge (1024) where n allows."""
+    if kind == "one":
+        return [0, n]
+    if kind == "many":
+        return split(n, max(8, n // 40), gen).tolist()
+    if kind == "singles":
+        a = n // 4 + int(torch.randint(0, 20, (1,), generator=gen))
+        return [0, 1, 2, 3, a, a + 1, n - 2, n - 1, n]
+    edges = [t for t in (64, 128, 192, 384, 1024, 1088, 2048) if t < n - 1]
+    return [0, *edges, n]
+
+
+def judge(got: tuple, want: tuple, tol: float, case: str) -> None:
+    """Every gradient (and the output) within `tol` of float64, head by head."""
+    for name, g, w in zip(("out", "dq", "dk", "dv", "dlogf"), got, want, strict=True):
+        assert torch.isfinite(g).all(), (case, name)
+        dims = [i for i in range(w.dim()) if i != 1]  # head is dim 1 everywhere: [N, H(, D)]
+        err = torch.linalg.vector_norm(g.double() - w, dim=dims) / torch.linalg.vector_norm(w, dim=dims)
+        assert (err <= tol).all(), f"{case}: {name} per-head relative errors {[f'{e:.1e}' for e in err.tolist()]}"
+
+
+def matrix_case(gates: str, layout: str, dtype: torch.dtype, d: int, groups: int, acp: bool, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    n, hk = MATRIX_N, 1 if groups > 1 and not CUDA else 2  # the interpreter: at most 4 heads
+    h = hk * groups
+    cu = torch.tensor(doc_layout(layout, n, gen), dtype=torch.int32, device=DEV)
+    q, k, v = (torch.randn(n, x, d, generator=gen) for x in (h, hk, hk))
+    if acp:  # as after QK-norm with unit gains: the bound U = sqrt(d) lets ACP prune
+        q, k = (x * x.pow(2).mean(-1, keepdim=True).rsqrt() for x in (q, k))
+    q, k, v = (x.to(DEV, dtype) for x in (q, k, v))
+    log_f = gate_regime(gates, n, h, gen).to(DEV)
+    do = torch.randn(n, h, d, generator=gen).to(DEV, dtype)
+    kw = dict(acp=Acp(), logit_bound=math.sqrt(d)) if acp else {}
+    out, grads = run(q, k, v, log_f, cu, do, **kw)
+    ref, ref_grads = expected(q, k, v, log_f, cu, do)
+    case = f"gates={gates} layout={layout} {dtype} d={d} groups={groups} acp={acp}"
+    judge((out, *grads), (ref, *ref_grads), TOLS[dtype], case)
+    return kw.get("acp")
+
+
+GATES = ["mixed", "fast", "slow", "trained"]
+LAYOUTS = ["one", "many", "singles", "edges"]
+VARIANTS = list(itertools.product(DTYPES, [64, 96, 128], [1, 4], [False, True]))
+
+
+@pytest.mark.parametrize("gates,layout", list(itertools.product(GATES, LAYOUTS)))
+def test_gate_regimes_and_layouts(gates, layout):
+    """Every gate regime on every layout; the dtype, head dim, GQA ratio and ACP taken in turn."""
+    i = GATES.index(gates) * len(LAYOUTS) + LAYOUTS.index(layout)
+    dtype, d, groups, acp = VARIANTS[(7 * i) % len(VARIANTS)]
+    matrix_case(gates, layout, dtype, d, groups, acp, seed=i)
+
+
+@pytest.mark.parametrize("dtype,d,groups,acp", VARIANTS if CUDA else [v for v in VARIANTS if v[0] == torch.float16
+                                                                      and v[1] != 128])
+def test_dtypes_dims_groups_acp(dtype, d, groups, acp):
+    """Every dtype, head dim (96 is padded to 128), GQA ratio and ACP setting, on the hardest
+    inputs: the mixed gates over length-1 documents and many others."""
+    used = matrix_case("mixed", "singles", dtype, d, groups, acp, seed=VARIANTS.index((dtype, d, groups, acp)))
+    if acp:
+        assert 0 < used.stats.pruned_fraction() < 1
+
+
+class Twice:
+    """A kernel launched twice on the same arguments, as the autotuner launches it for every
+    option and repetition before the call that counts."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def run_twice(*args, **kwargs):
+            launch(*args, **kwargs)
+            launch(*args, **kwargs)
+
+        return run_twice
+
+
+def test_every_launch_can_be_repeated(monkeypatch):
+    """No kernel may read what it writes: the dq kernel once added its row sums to dLambda in
+    place, and each tuning run added them again."""
+    gen = torch.Generator().manual_seed(31)
+    n, h, d = MATRIX_N, 4, 64
+    q, k, v = (torch.randn(n, x, d, generator=gen).to(DEV, DTYPE) for x in (h, 2, 2))
+    log_f = gate_regime("mixed", n, h, gen).to(DEV)
+    do = torch.randn(n, h, d, generator=gen).to(DEV, DTYPE)
+    cu = torch.tensor(doc_layout("singles", n, gen), dtype=torch.int32, device=DEV)
+    once = run(q, k, v, log_f, cu, do, acp=Acp())
+    for name in ("_fwd", "_dq", "_dkdv"):
+        monkeypatch.setattr(fk, name, Twice(getattr(fk, name)))
+    twice = run(q, k, v, log_f, cu, do, acp=Acp())
+    for name, a, b in zip(("out", "dq", "dk", "dv", "dlogf"), (once[0], *once[1]), (twice[0], *twice[1]), strict=True):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.skipif(not CUDA, reason="autotuning times configurations on the GPU")
+def test_the_first_autotuned_call_is_right(monkeypatch):
+    """The issue's case as a user meets it: tuning on, the first call of a shape."""
+    fwd, dq, dkdv = fk.kernels(tune=True)  # fresh tuners: nothing cached
+    monkeypatch.setattr(fk, "_fwd", fwd)
+    monkeypatch.setattr(fk, "_dq", dq)
+    monkeypatch.setattr(fk, "_dkdv", dkdv)
+    gen = torch.Generator().manual_seed(0)
+    n, h, hk, d = 4099, 8, 2, 64
+    cu = torch.tensor([0, 5, 6, 7, 348, 1230, 2865, 3500, 4098, 4099], dtype=torch.int32, device=DEV)
+    q, k, v = (torch.randn(n, x, d, generator=gen).to(DEV, torch.bfloat16) for x in (h, hk, hk))
+    log_f = gate_regime("mixed", n, h, gen).to(DEV)
+    do = torch.randn(n, h, d, generator=gen).to(DEV, torch.bfloat16)
+    out, grads = run(q, k, v, log_f, cu, do)
+    ref, ref_grads = expected(q, k, v, log_f, cu, do)
+    judge((out, *grads), (ref, *ref_grads), TOLS[torch.bfloat16], "issue 31, tuned")
+    assert len(dq.configs) > 1 and len(dq.cache) == 1  # it tuned this one shape

@@ -20,7 +20,8 @@ DEV = torch.device("cuda")
 def inputs(n: int, h: int, hk: int, d: int, dtype: torch.dtype, seed: int):
     gen = torch.Generator(device=DEV).manual_seed(seed)
     q, k, v = (torch.randn(n, x, d, generator=gen, device=DEV) for x in (h, hk, hk))
-    log_f = F.logsigmoid(torch.randn(n, h, generator=gen, device=DEV) + 3.0)
+    # one head per decay rate, f ~ 0.6 .. 0.999, as trained FoX models have them (issue 31)
+    log_f = F.logsigmoid(torch.linspace(0.5, 7.0, h, device=DEV) + 0.7 * torch.randn(n, h, generator=gen, device=DEV))
     cuts = torch.randperm(n - 1, generator=gen, device=DEV)[:5] + 1
     cu = torch.cat([torch.zeros(1, device=DEV), cuts.sort().values, torch.full((1,), n, device=DEV)]).to(torch.int32)
     return [t.to(dtype) for t in (q, k, v)] + [log_f], cu

@@ -281,7 +281,7 @@ def _dq_tiles(dq, dlq, q, do, r_q, dlt, st_q, rows, kp, vp, lamk, lo, hi, sk, N,
 
 
 @triton.jit
-def _dq_kernel(Q, K, V, DO, LAM, ROW, DELTA, START, KSTART, DQ, DLAM, N, NB, sq, sk, scale, sm_scale, SIZE,
+def _dq_kernel(Q, K, V, DO, LAM, ROW, DELTA, START, KSTART, DCOL, DQ, DLAM, N, NB, sq, sk, scale, sm_scale, SIZE,
                GROUPS: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                T: tl.constexpr, PREC: tl.constexpr):
     h = tl.program_id(1)
@@ -300,8 +300,8 @@ def _dq_kernel(Q, K, V, DO, LAM, ROW, DELTA, START, KSTART, DQ, DLAM, N, NB, sq,
     dq, dlq = _dq_tiles(dq, dlq, q, do, r_q, dlt, st_q, rows, kp, vp, lamk, q0, q0 + BM, sk, N, scale,
                         D, BN, True, PREC)
     tl.store(DQ + offs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=valid[:, None])
-    dlam = DLAM + h * N + rows  # holds the column sums from the dk/dv kernel
-    tl.store(dlam, (dlq + tl.load(dlam, mask=valid, other=0.0)) / _LOG2E, mask=valid)
+    dcol = tl.load(DCOL + h * N + rows, mask=valid, other=0.0)  # the dk/dv kernel's column sums
+    tl.store(DLAM + h * N + rows, (dlq - dcol) / _LOG2E, mask=valid)
 
 
 @triton.jit
@@ -336,7 +336,7 @@ def _dkdv_tiles(dk, dv, dlk, k, v, lam_k, cols, qp, dop, row_p, dlt_p, START, lo
 
 
 @triton.jit
-def _dkdv_kernel(Q, K, V, DO, LAM, ROW, DELTA, START, END, QEND, DK, DV, DLAM, N, NB, sq, sk, scale,
+def _dkdv_kernel(Q, K, V, DO, LAM, ROW, DELTA, START, END, QEND, DK, DV, DCOL, N, NB, sq, sk, scale,
                  sm_scale, SIZE, GROUPS: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                  T: tl.constexpr, PREC: tl.constexpr):
     hk = tl.program_id(1)
@@ -364,8 +364,8 @@ def _dkdv_kernel(Q, K, V, DO, LAM, ROW, DELTA, START, END, QEND, DK, DV, DLAM, N
         dk, dv, dlk = _dkdv_tiles(dk, dv, dlk, k, v, lam_k, cols, qp, dop, row_p, dlt_p, START,
                                   mid, hi, sq, N, scale, D, BM, True, PREC)
         # dLambda = row sums - column sums of dS (natural log units): the column sums here, the
-        # row sums by the dq kernel after this one
-        tl.store(DLAM + h * N + cols, -dlk, mask=inside)
+        # row sums and the difference by the dq kernel after this one
+        tl.store(DCOL + h * N + cols, dlk, mask=inside)
     tl.store(DK + offs, (dk * sm_scale).to(DK.dtype.element_ty), mask=inside[:, None])
     tl.store(DV + offs, dv.to(DV.dtype.element_ty), mask=inside[:, None])
 
@@ -376,13 +376,6 @@ def _dkdv_kernel(Q, K, V, DO, LAM, ROW, DELTA, START, END, QEND, DK, DV, DLAM, N
 AUTOTUNE = os.environ.get("LONGCTX_FOX_AUTOTUNE", "1") != "0"
 """LONGCTX_FOX_AUTOTUNE=0: the first configuration of each kernel, no tuning runs (each new head
 dim, group size and length class otherwise compiles and times every configuration, ~30 s)."""
-
-
-def _configs(options: list[tuple[int, int, int, int]]) -> list[triton.Config]:
-    if INTERPRET or not AUTOTUNE:
-        options = options[:1]
-    return [triton.Config({"BM": bm, "BN": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in options]
-
 
 # fwd and dq: BM in {64, 128} (query blocks start on a TILE); dk/dv: BM divides TILE. Registers
 # and spills of each: bench/kernel_resources.py (no GPU needed); the last dq and dk/dv options are
@@ -395,10 +388,25 @@ DKDV_OPTIONS = [(64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 4, 3), (32, 128, 8, 
                 (32, 64, 4, 3), (64, 128, 8, 1), (16, 128, 4, 3), (32, 128, 4, 2), (32, 64, 8, 3)]
 # tuned per head dim, GQA group and power-of-two length class (not per length: prompts vary)
 KEY = ["D", "GROUPS", "SIZE"]
-_fwd = triton.autotune(_configs(FWD_OPTIONS), key=KEY)(_fwd_kernel)
-_dq = triton.autotune(_configs(DQ_OPTIONS), key=KEY)(_dq_kernel)
-_dkdv = triton.autotune(_configs(DKDV_OPTIONS), key=KEY)(_dkdv_kernel)
 
+
+def _tuned(kernel, options: list[tuple[int, int, int, int]], tune: bool):
+    """`kernel` autotuned over (BM, BN, warps, stages) `options`, or with the first alone. The
+    tuner launches it once per option and repetition on the caller's own buffers, so every
+    kernel here must be a pure function of what it reads: none may read what it writes."""
+    if INTERPRET or not tune:
+        options = options[:1]
+    configs = [triton.Config({"BM": bm, "BN": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in options]
+    return triton.autotune(configs, key=KEY)(kernel)
+
+
+def kernels(tune: bool = AUTOTUNE) -> tuple:
+    """The forward, dq and dk/dv kernels, autotuned (`tune`) or each in its first configuration."""
+    return (_tuned(_fwd_kernel, FWD_OPTIONS, tune), _tuned(_dq_kernel, DQ_OPTIONS, tune),
+            _tuned(_dkdv_kernel, DKDV_OPTIONS, tune))
+
+
+_fwd, _dq, _dkdv = kernels()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -536,11 +544,14 @@ def _backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     dv = torch.empty_like(v)
     # dLambda (log2 units), from the row and column sums of dS; without the row sums, which
     # vanish in exact arithmetic, the rounding of the bf16 output in delta would pile up in the
-    # reverse cumsum to d log f instead of cancelling (it missed the bf16 tolerance on an H200)
-    dlam = torch.empty(h, n, dtype=torch.float32, device=q.device)
-    _dkdv[lambda meta: (triton.cdiv(n, meta["BN"]), hk)](**common, END=end, QEND=qend, DK=dk, DV=dv, DLAM=dlam)
+    # reverse cumsum to d log f instead of cancelling (it missed the bf16 tolerance on an H200).
+    # The column sums get their own buffer: the autotuner launches each kernel many times on the
+    # same arguments, so no kernel may read what it writes (when dq added its row sums to dLambda
+    # in place, every tuning run added them again: d log f was wrong on each shape's first call)
+    dcol, dlam = (torch.empty(h, n, dtype=torch.float32, device=q.device) for _ in range(2))
+    _dkdv[lambda meta: (triton.cdiv(n, meta["BN"]), hk)](**common, END=end, QEND=qend, DK=dk, DV=dv, DCOL=dcol)
     dq = torch.empty_like(q)
-    _dq[lambda meta: (triton.cdiv(n, meta["BM"]), h)](**common, KSTART=kstart, DQ=dq, DLAM=dlam)
+    _dq[lambda meta: (triton.cdiv(n, meta["BM"]), h)](**common, KSTART=kstart, DCOL=dcol, DQ=dq, DLAM=dlam)
     return dq, dk, dv, dlam
 
 
