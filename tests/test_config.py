@@ -8,7 +8,7 @@ from longctx import config
 from longctx.errors import ConfigError
 
 
-@pytest.mark.parametrize("profile", ["tiny", "prolong-64k", "prolong-512k"])
+@pytest.mark.parametrize("profile", ["tiny", "gpu-64k", "prolong-64k", "prolong-512k"])
 def test_profiles_resolve(profile):
     cfg = config.resolve({"profile": profile})
     assert cfg.profile == profile
