@@ -1,0 +1,50 @@
+"""bench/gpu_wheels.py: the wheel folder for a GPU machine without internet is the project's
+requirements closed over their own at the versions installed here, less what the image has."""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import sys
+
+import pytest
+
+from conftest import REPO
+
+sys.path.insert(0, str(REPO / "bench"))
+import gpu_wheels  # noqa: E402
+
+
+def test_the_closure_is_what_this_install_resolved():
+    needed = gpu_wheels.closure()
+    assert "longctx" not in needed
+    for name in ("mlflow", "prefect", "dvc", "pydantic", "sqlalchemy"):
+        assert needed[name] == md.version(name), name
+    assert "pytest" not in needed and "ruff" not in needed  # the test extra is not the run's
+
+
+def test_what_the_image_has_is_left_out(tmp_path):
+    image = tmp_path / "image.txt"
+    image.write_text("# pip list --format=freeze\nTorch==2.11.0\nnumpy==2.5.2\nPyYAML==6.0.1\n")
+    wanted = gpu_wheels.lacking(gpu_wheels.closure(), gpu_wheels.read_freeze(image))
+    assert "torch" not in wanted and "numpy" not in wanted and "pyyaml" not in wanted  # any version serves
+    assert wanted["prefect"] == md.version("prefect")
+    image.write_text("torch==2.11.0\nnumpy\n")
+    with pytest.raises(SystemExit, match=r"image.txt:2: not a name==version line"):
+        gpu_wheels.read_freeze(image)
+
+
+def test_without_drops_a_requirement_and_what_only_it_needs():
+    full, lean = gpu_wheels.closure(), gpu_wheels.closure(without=("lm-eval",))
+    assert "lm-eval" in full and "lm-eval" not in lean
+    assert "sacrebleu" in full and "sacrebleu" not in lean  # only lm-eval needs it
+    assert "numpy" in lean and "pyarrow" in lean  # others need these too
+
+
+def test_a_folder_over_the_budget_names_its_largest_wheels(tmp_path):
+    wheels = []
+    for name, size in (("big-1.0-py3-none-any.whl", 3000), ("small-1.0-py3-none-any.whl", 100)):
+        (tmp_path / name).write_bytes(b"x" * size)
+        wheels.append(tmp_path / name)
+    assert gpu_wheels.check_size(wheels, 4000) == 3100
+    with pytest.raises(SystemExit, match=r"over the 0 MiB .* big-1.0-py3-none-any.whl"):
+        gpu_wheels.check_size(wheels, 2000)
