@@ -7,6 +7,8 @@
 # stage makes it), its gates sampled for tests/test_fox_kernel.py, then attention.py with its forget gates
 # at 16K and 64K. positions: bench/positions.py on the same split. fox_training / fox_kernel: the two
 # parts of bench/fox_check.py (the kernel part beside bench/work/kernel_cf47ec1.py when carried).
+# tests: TESTS_LIMIT seconds (default 540) over TESTS_WORKERS pytest-xdist workers (default 8; the image has
+# xdist): the kernels' compilation, not the GPU, is what the CUDA matrix waits on.
 set -uo pipefail
 out=${OUT:-bench/results}
 mkdir -p "$out"
@@ -16,7 +18,7 @@ parts=${*:-tests fox_training fox_kernel train_throughput model_step attention g
 status=0
 for part in $parts; do
   case $part in
-    tests) timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_attention.py tests/test_gpu_train.py \
+    tests) timeout "${TESTS_LIMIT:-540}" python3 -m pytest -q -p no:cacheprovider -n "${TESTS_WORKERS:-8}" tests/test_gpu_attention.py tests/test_gpu_train.py \
              tests/test_fox_kernel.py tests/test_model.py tests/test_decode.py \
              --deselect tests/test_fox_kernel.py::test_training_with_acp_logs_the_pruned_fraction \
              2>&1 | tee "$out/gpu_tests.log" ;;  # (that one runs the data stages: mlflow, not on the image)
