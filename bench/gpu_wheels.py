@@ -6,6 +6,8 @@ limit. bench/gpu_env.sh installs the folder on the GPU machine.
     python3 bench/gpu_wheels.py --freeze > bench/gpu_image.txt     # on the GPU machine: what it has
     python bench/gpu_wheels.py --image bench/gpu_image.txt --out .whl   # here, with internet
 
+With --imports, only the distributions a real run imported from (record one with
+bench/import_audit: `PYTHONPATH=bench/import_audit LONGCTX_IMPORT_LOG=imports.txt python -m pipelines`).
 Packages that ship no wheel are built here (`pip wheel`, pure Python). --without drops a top-level
 requirement the run does not import (lm-eval, with every package only it needs) when the folder
 would not fit otherwise.
@@ -85,6 +87,17 @@ def lacking(needed: dict[str, str], have: dict[str, str]) -> dict[str, str]:
     return {name: version for name, version in sorted(needed.items()) if name not in have}
 
 
+def imported(wanted: dict[str, str], log: Path) -> dict[str, str]:
+    """Of `wanted`, the distributions a real run imported from: `log` lists top-level module names
+    (bench/import_audit/sitecustomize.py records them in every process of a run). A requirement's
+    optional backends (a Postgres driver, Redis, cloud SDKs) are declared but never imported."""
+    modules = set(log.read_text().split())
+    if not modules:
+        raise SystemExit(f"{log}: no module names in it: run the pipeline with bench/import_audit first")
+    used = {canonicalize_name(d) for m in modules for d in md.packages_distributions().get(m, [])}
+    return {name: version for name, version in wanted.items() if name in used}
+
+
 def fetch(wanted: dict[str, str], out: Path) -> list[Path]:
     """Download each as a wheel for the target into `out` (built here when it ships none)."""
     out.mkdir(parents=True)
@@ -120,6 +133,8 @@ def main() -> None:
     ap.add_argument("--image", type=Path, help="the GPU image's packages, as --freeze printed them there")
     ap.add_argument("--out", type=Path, default=Path(".whl"))
     ap.add_argument("--without", nargs="*", default=[], help="top-level requirements to leave out")
+    ap.add_argument("--imports", type=Path, help="top-level modules a run imported (bench/import_audit): "
+                    "only the distributions they come from")
     ap.add_argument("--budget-mib", type=float, default=BUDGET / 2**20)
     args = ap.parse_args()
     if args.freeze:
@@ -129,6 +144,10 @@ def main() -> None:
     if args.image is None:
         ap.error("--image: the GPU image's package list (bench/gpu_wheels.py --freeze, run there)")
     wanted = lacking(closure(without=tuple(args.without)), read_freeze(args.image))
+    if args.imports:
+        kept = imported(wanted, args.imports)
+        print(f"not imported by the run in {args.imports}, left out: {', '.join(sorted(set(wanted) - set(kept)))}")
+        wanted = kept
     print(f"{len(wanted)} packages the image lacks: " + ", ".join(f"{n}=={v}" for n, v in wanted.items()), flush=True)
     if args.out.exists() and any(args.out.iterdir()):
         raise SystemExit(f"{args.out} is not empty: move it away first (two versions of one package stop the "

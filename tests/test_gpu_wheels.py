@@ -4,6 +4,8 @@ requirements closed over their own at the versions installed here, less what the
 from __future__ import annotations
 
 import importlib.metadata as md
+import os
+import subprocess
 import sys
 
 import pytest
@@ -48,3 +50,23 @@ def test_a_folder_over_the_budget_names_its_largest_wheels(tmp_path):
     assert gpu_wheels.check_size(wheels, 4000) == 3100
     with pytest.raises(SystemExit, match=r"over the 0 MiB .* big-1.0-py3-none-any.whl"):
         gpu_wheels.check_size(wheels, 2000)
+
+
+def test_the_import_audit_records_every_process_of_a_run(tmp_path):
+    log = tmp_path / "imports.txt"
+    env = {**os.environ, "PYTHONPATH": str(REPO / "bench" / "import_audit"), "LONGCTX_IMPORT_LOG": str(log)}
+    child = "import subprocess, sys; subprocess.run([sys.executable, '-c', 'import yaml.constructor'], check=True)"
+    subprocess.run([sys.executable, "-c", f"import tomllib; {child}; import os; os._exit(0)"], env=env, check=True)
+    names = log.read_text().split()
+    assert {"tomllib", "yaml", "subprocess"} <= set(names)  # the parent's, then the child's (os._exit: no atexit)
+    assert "yaml.constructor" not in names and names.count("yaml") == 1
+
+
+def test_imports_keep_only_what_a_run_imported(tmp_path):
+    wanted = {"pyyaml": "6.0", "sqlalchemy": "2.0", "asyncpg": "0.30"}
+    log = tmp_path / "imports.txt"
+    log.write_text("yaml\nsqlalchemy\njson\n")
+    assert gpu_wheels.imported(wanted, log) == {"pyyaml": "6.0", "sqlalchemy": "2.0"}  # module -> distribution
+    log.write_text("")
+    with pytest.raises(SystemExit, match="no module names"):
+        gpu_wheels.imported(wanted, log)

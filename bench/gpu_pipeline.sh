@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The product on one GPU, as a user runs it (issue 32): a fresh workspace holding the project's files
+# and nothing it made (no data, metrics, checkpoints or MLflow store), the gpu-64k profile, then the
+# main command `LONGCTX_GPUS=0 python3 -m pipelines` (Prefect -> dvc repro -> stages -> MLflow).
+# Then, while time is left: `dvc status` (nothing to do) and one eval param changed, the main command
+# again (eval alone reruns). What the run made is copied to $OUT: the log with the final table,
+# metrics/, plots/, dvc.lock, params.yaml, mlflow.db and mlartifacts/ (no checkpoints).
+#   bash bench/gpu_pipeline.sh [llama|fox]      # fox: the FoX (Pro) + ACP variant, same data and tokens
+# PROFILE: another profile (tiny: the same steps on a CPU). LIMIT: seconds for the whole script (default
+# 570). Carry .whl (bench/gpu_wheels.py) where the image lacks DVC, Prefect and MLflow.
+set -uo pipefail
+variant=${1:-llama}
+limit=${LIMIT:-570}
+begin=$(date +%s)
+out=$(realpath -m "${OUT:-bench/results/pipeline-gpu}")
+mkdir -p "$out"
+source bench/gpu_env.sh || exit 1
+SITE=$([ -d /tmp/site ] && echo /tmp/site)   # where gpu_env.sh installed the carried wheels
+command -v git dvc >/dev/null || { echo "gpu_pipeline: git and dvc are needed on PATH" >&2; exit 1; }
+ws=/tmp/longctx-ws-$variant
+rm -rf "$ws" && mkdir -p "$ws"
+# the project as a clone has it: everything but what runs make or carry (.gitignore'd), as a new repository
+tar --exclude=./.git --exclude=./.whl --exclude=./data --exclude=./bench/work --exclude=./bench/results \
+    --exclude=./metrics --exclude=./plots --exclude=./mlflow.db --exclude=./mlartifacts -cf - . | tar -xf - -C "$ws"
+cd "$ws" || exit 1
+export PYTHONPATH=$ws/src:$ws${SITE:+:$SITE}   # the workspace's code, not the carried tree's
+sed -i "s/^profile: .*/profile: ${PROFILE:-gpu-64k}/" params.yaml
+if [ "$variant" = fox ]; then   # FoX (Pro) + ACP: the same data, splits and steps
+  python3 - <<'EOF'
+import yaml
+p = yaml.safe_load(open("params.yaml"))
+p["model"] = {"arch": "fox"}
+for stage in ("base", "sft"):
+    p["train"][stage] = {"acp_eps": 4.54e-5}
+yaml.safe_dump(p, open("params.yaml", "w"), sort_keys=False)
+EOF
+fi
+git init -q && git add -A && git -c user.name=longctx -c user.email=longctx@localhost commit -qm workspace
+left() { echo $(( limit - ($(date +%s) - begin) )); }
+collect() {
+  cp -r metrics plots dvc.lock params.yaml mlflow.db mlartifacts "$out"/ 2>/dev/null
+  find "$out/mlartifacts" -name "*.safetensors" -delete 2>/dev/null
+  du -sh "$out"/mlflow.db "$out"/mlartifacts 2>/dev/null
+}
+{ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || nproc; } | tee "$out/device.txt"
+LONGCTX_GPUS=0 timeout "$(left)" python3 -m pipelines 2>&1 | tee "$out/pipeline.log"
+status=${PIPESTATUS[0]}
+echo "main command: exit $status after $(( $(date +%s) - begin )) s" | tee -a "$out/pipeline.log"
+collect
+[ "$status" = 0 ] || exit "$status"
+dvc status 2>&1 | tee "$out/dvc_status.log"   # right after a finished run: nothing to do
+if [ "$(left)" -gt 120 ]; then                 # one eval param changed: eval alone reruns
+  sed -i 's/^eval: {}$/eval: {samples: 2}/' params.yaml
+  dvc status 2>&1 | tee "$out/dvc_status_eval_changed.log"
+  LONGCTX_GPUS=0 timeout "$(left)" python3 -m pipelines 2>&1 | tee "$out/pipeline_eval_changed.log"
+  status=${PIPESTATUS[0]}
+  collect
+fi
+exit "$status"
