@@ -56,6 +56,9 @@ def test_invalid_utf8_is_replaced_and_counted_or_rejected(tmp_path):
     assert manifest["domains"]["web"]["docs_with_replacements"] == 1
     texts = pq.read_table(out / "web.parquet").column("text").to_pylist()
     assert "caf\ufffd and \ufffd\ufffd end" in texts
+    assert manifest["packages"]["pyarrow"] == pa.__version__
+    # a package the run never imports may be absent (a GPU image given only what the pipeline imports)
+    assert corpora._version("longctx-no-such-package") is None
     with pytest.raises(DataError, match=r"bad\.txt: not valid UTF-8 at byte 3"):
         docs({"path": str(src)}, invalid_utf8="reject")
 

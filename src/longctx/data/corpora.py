@@ -69,6 +69,15 @@ class _Writer:
         self.writer.close()
 
 
+def _version(package: str) -> str | None:
+    """The installed version; None where absent (`datasets` is imported by hub sources alone, and a
+    GPU machine given only what the pipeline imports has none)."""
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def build(cfg: CorporaParams, out: Path) -> dict:
     """Write <out>/<domain>.parquet for every domain; return the manifest."""
     manifest: dict = {
@@ -76,7 +85,7 @@ def build(cfg: CorporaParams, out: Path) -> dict:
         "invalid_utf8": cfg.invalid_utf8,
         "python": sys.version.split()[0],
         "platform": platform.platform(),
-        "packages": {p: metadata.version(p) for p in ("datasets", "pyarrow", "tokenizers")},
+        "packages": {p: _version(p) for p in ("datasets", "pyarrow", "tokenizers")},
         "domains": {},
     }
     for domain, spec in cfg.domains.items():
