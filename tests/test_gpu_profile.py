@@ -37,7 +37,9 @@ def test_the_gpu_profile_is_prolong_scaled_to_one_gpu():
     assert cfg.rope_search.target_length == 65536
     assert cfg.eval.lengths == [4096, 16384, 32768, 65536]
     assert {"passkey", "niah_single_noise", "niah_multikey", "json_kv"} <= set(cfg.eval.tasks)
-    assert cfg.chunk_lengths("stage2", "code_repos") == {65536: 0.5, 16384: 0.5}
+    assert cfg.chunk_lengths("stage2", "code_repos") == {65536: 1.0}
+    # the search fits and holds out needle sequences, each from its own 64K validation document
+    assert cfg.rope_search.sequences + cfg.rope_search.table_sequences <= 3
     code = cfg.corpora.domains["code_repos"].sources[0]
     assert code.builtin == "stdlib_repos" and code.site_packages
 
