@@ -7,10 +7,11 @@
 # metrics/, plots/, dvc.lock, params.yaml, mlflow.db and mlartifacts/ (no checkpoints).
 #   bash bench/gpu_pipeline.sh [llama|fox]      # fox: the FoX (Pro) + ACP variant, same data and tokens
 # PROFILE: another profile (tiny: the same steps on a CPU). LIMIT: seconds for the whole script (default
-# 570). Carry .whl (bench/gpu_wheels.py) where the image lacks DVC, Prefect and MLflow.
+# 560; the main command gets what is left, then 10 s to stop). Carry .whl (bench/gpu_wheels.py) where
+# the image lacks DVC, Prefect and MLflow.
 set -uo pipefail
 variant=${1:-llama}
-limit=${LIMIT:-570}
+limit=${LIMIT:-560}
 begin=$(date +%s)
 out=$(realpath -m "${OUT:-bench/results/pipeline-gpu}")
 mkdir -p "$out"
@@ -43,7 +44,7 @@ collect() {
   du -sh "$out"/mlflow.db "$out"/mlartifacts 2>/dev/null
 }
 { nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || nproc; } | tee "$out/device.txt"
-LONGCTX_GPUS=0 timeout "$(left)" python3 -m pipelines 2>&1 | tee "$out/pipeline.log"
+LONGCTX_GPUS=0 timeout -k 10 "$(left)" python3 -m pipelines 2>&1 | tee "$out/pipeline.log"
 status=${PIPESTATUS[0]}
 echo "main command: exit $status after $(( $(date +%s) - begin )) s" | tee -a "$out/pipeline.log"
 collect
@@ -52,7 +53,7 @@ dvc status 2>&1 | tee "$out/dvc_status.log"   # right after a finished run: noth
 if [ "$(left)" -gt 120 ]; then                 # one eval param changed: eval alone reruns
   sed -i 's/^eval: {}$/eval: {samples: 2}/' params.yaml
   dvc status 2>&1 | tee "$out/dvc_status_eval_changed.log"
-  LONGCTX_GPUS=0 timeout "$(left)" python3 -m pipelines 2>&1 | tee "$out/pipeline_eval_changed.log"
+  LONGCTX_GPUS=0 timeout -k 10 "$(left)" python3 -m pipelines 2>&1 | tee "$out/pipeline_eval_changed.log"
   status=${PIPESTATUS[0]}
   collect
 fi

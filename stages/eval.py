@@ -65,13 +65,14 @@ def run(cfg: Params, root: Path) -> None:
     rows_all, position_rows = [], []
     with stage_run(cfg.tracking, root, "eval", flat(ec, "eval")) as tracker:
         short = retention_split(cfg)
+        built: dict = {}  # the prompts, built once for the pretrained checkpoints and once for the chat one
         for name, folder in ckpts.items():
             model = _train.load(folder, cfg.model.attention_backend).to(device).eval()
             chat = name == "sft"
             if chat and not tok.chat_template:
                 raise DataError(f"{TOKENS / 'tokenizer'}: no chat template to evaluate the SFT checkpoint with")
             rows, curve = suite.evaluate(results, name, model, folder, suite.Encoder(tok, chat), ec, data, haystack,
-                                         windows[name], short)
+                                         windows[name], short, built)
             rows_all += rows
             position_rows += curve
             speed = results["throughput"][name]

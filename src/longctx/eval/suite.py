@@ -198,18 +198,24 @@ def perplexities(results: dict, name: str, model: Transformer, data: PackedDatas
 
 def evaluate(results: dict, name: str, model: Transformer, folder: Path, enc: Encoder, ec: EvalParams,
              data: PackedDataset, haystack: str, window: Window,
-             short: PackedDataset | None) -> tuple[list[dict], list[dict]]:
+             short: PackedDataset | None, built: dict | None = None) -> tuple[list[dict], list[dict]]:
     """Everything measured on one checkpoint, into `results` under `name`: the task prompts at
     every eval length, also beyond its window (the comparison that shows what long-context
     training did; `results["windows"]` marks them), except past a hard window (skipped, with the
     reason); perplexities on the long documents of `data`; lm-eval tasks; perplexity on the short
-    sequences of `short`. Returns the scored prompt rows and the per-position loss rows."""
+    sequences of `short`. Returns the scored prompt rows and the per-position loss rows. `built`
+    keeps the prompts between checkpoints that read them alike (filling 64K-token prompts to the
+    token takes seconds each)."""
     results["windows"][name] = window.length
     lengths = [n for n in ec.lengths if not (window.hard and n > window.length)]
     for n in sorted(set(ec.lengths) - set(lengths)):
         results["skipped"].append({"checkpoint": name, "length": n, "reason": f"beyond the checkpoint's window "
                                    f"{window.length} (its learned position table stops there)"})
-    prompts = build_prompts(enc, ec.tasks, lengths, ec.samples, ec.depths, ec.seed, haystack)
+    key = (enc.chat, tuple(lengths))
+    built = {} if built is None else built
+    if key not in built:
+        built[key] = build_prompts(enc, ec.tasks, lengths, ec.samples, ec.depths, ec.seed, haystack)
+    prompts = list(built[key])
     prompts += helmet.prompts(results, name, enc.count, ec, lengths)
     answer = (hf_answerer(folder / "hf", enc.eos()) if ec.backend == "transformers"
               else our_answerer(model, enc.eos()))
