@@ -97,3 +97,20 @@ def test_prompt_set_is_the_same_for_every_run(enc, haystack):
     assert a == b and len(a) == 2 * (2 + 2)
     assert {(p.task, p.meta["depth"]) for p in a if p.task == "niah_single_noise"} == {
         ("niah_single_noise", 0.1), ("niah_single_noise", 0.9)}
+
+
+@pytest.mark.parametrize("length", [4096, 65536])
+def test_fill_takes_the_most_pieces_that_fit_in_a_few_counts(enc, haystack, length):
+    text = (haystack + "\n") * (4 * length // max(enc.count(haystack), 1) + 2)  # enough to pass the length
+    pieces = [s for s in re.split(r"(?<=[.!?\n])", text) if s]
+    calls = []
+
+    def count(s: str) -> int:
+        calls.append(len(s))
+        return enc.count(s)
+
+    budget = tasks.Budget(count, length)
+    got = budget.fill("Question?", lambda n: pieces[:n])
+    room = length - budget.reserve - enc.count("Question?")
+    assert enc.count("".join(got)) <= room < enc.count("".join(pieces[:len(got) + 1]))  # the most that fit
+    assert len(calls) <= 12, f"{len(calls)} tokenizer calls"  # doubling then bisection: ~20 at 64K
