@@ -94,7 +94,8 @@ def imported(wanted: dict[str, str], log: Path) -> dict[str, str]:
     modules = set(log.read_text().split())
     if not modules:
         raise SystemExit(f"{log}: no module names in it: run the pipeline with bench/import_audit first")
-    used = {canonicalize_name(d) for m in modules for d in md.packages_distributions().get(m, [])}
+    owners = md.packages_distributions()  # (a scan of every installed distribution: once)
+    used = {canonicalize_name(d) for m in modules for d in owners.get(m, [])}
     return {name: version for name, version in wanted.items() if name in used}
 
 
