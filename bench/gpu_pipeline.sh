@@ -52,7 +52,7 @@ collect
 [ "$status" = 0 ] || exit "$status"
 dvc status 2>&1 | tee "$out/dvc_status.log"   # right after a finished run: nothing to do
 if [ "$(left)" -gt 120 ]; then                 # one eval param changed: eval alone reruns
-  sed -i 's/^eval: {}$/eval: {samples: 2}/' params.yaml
+  sed -i "s/^eval: {}$/eval: {retention_sequences: 4}/" params.yaml
   dvc status 2>&1 | tee "$out/dvc_status_eval_changed.log"
   LONGCTX_GPUS=0 timeout -k 10 "$(left)" python3 -m pipelines 2>&1 | tee "$out/pipeline_eval_changed.log"
   status=${PIPESTATUS[0]}

@@ -43,6 +43,16 @@ def test_budgets_stop_a_source(tmp_path):
     assert len(docs({"path": str(tmp_path), "max_bytes": 25})) == 3
 
 
+def test_doc_max_bytes_cuts_each_document_at_a_character_boundary(tmp_path):
+    (tmp_path / "a.txt").write_text("ab" + "é" * 10)  # é: 2 bytes, so 5 bytes end inside one
+    (tmp_path / "b.txt").write_text("xyz")
+    got = docs({"path": str(tmp_path), "doc_max_bytes": 5})
+    assert [d.text for d in got] == ["abé", "xyz"]
+    repos = docs({"builtin": "stdlib_repos", "max_docs": 3, "doc_max_bytes": 20_000}, kind="long")
+    assert len(repos) == 3 and all(18_000 < d.nbytes <= 20_000 for d in repos)
+    assert all(d.text.startswith("### File: ") for d in repos)
+
+
 def test_invalid_utf8_is_replaced_and_counted_or_rejected(tmp_path):
     src = tmp_path / "src"
     src.mkdir()

@@ -84,6 +84,10 @@ class SourceParams(Strict):
     """Builtin only: which slice of the builtin text (e.g. stdlib_short: docstrings|modules|topics)."""
     max_docs: PositiveInt | None = None
     max_bytes: PositiveInt | None = None
+    doc_max_bytes: PositiveInt | None = None
+    """Each text document cut to its first this many bytes: one huge document (site-packages'
+    torch, ~90 MB) would otherwise hold up the tokenize stage alone. A repository's files are
+    shuffled, so the cut keeps a random sample of them."""
     site_packages: bool = False
     """stdlib_repos: also read installed third-party packages as repositories."""
 

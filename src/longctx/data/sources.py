@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +67,8 @@ def _budget(docs: Iterable[Doc], spec: SourceParams) -> Iterator[Doc]:
             return
         if spec.max_bytes is not None and size >= spec.max_bytes:
             return
+        if spec.doc_max_bytes is not None and doc.text is not None and doc.nbytes > spec.doc_max_bytes:
+            doc = replace(doc, text=doc.text.encode("utf-8")[:spec.doc_max_bytes].decode("utf-8", "ignore"))
         n += 1
         size += doc.nbytes
         yield doc
