@@ -78,7 +78,8 @@ def test_its_data_stages_run_on_a_sample(tmp_path):
     run_stages(tmp_path, ["corpora", "tokenize", "pack"], sample)
     lengths = json.loads((tmp_path / "metrics/tokenize.json").read_text())["lengths"]
     assert lengths["code_repos"]["docs"] >= 2 and lengths["code_repos"]["pct_gt_64k"] > 0  # packages past 64K
-    for domain, split in {"retrieval_short": "base", "retrieval": "base", "retrieval_16k": "stage1", "retrieval_64k": "stage2"}.items():
+    windows = {"retrieval_short": "base", "retrieval": "base", "retrieval_16k": "stage1", "retrieval_64k": "stage2"}
+    for domain, split in windows.items():
         chunk = config.resolve({"profile": "gpu-64k"}).pack.splits[split].base_len  # whole documents' chunk
         assert lengths[domain]["max"] <= chunk, (domain, lengths[domain]["max"], chunk)  # the question stays in
     for split, length in {"base": 4096, "stage1": 16384, "stage2": 65536, "sft": 4096}.items():
