@@ -4,7 +4,7 @@
 # main command `LONGCTX_GPUS=0 python3 -m pipelines` (Prefect -> dvc repro -> stages -> MLflow).
 # Then, while time is left: `dvc status` (nothing to do) and one eval param changed, the main command
 # again (eval alone reruns). What the run made is copied to $OUT: the log with the final table,
-# dvc.lock, params.yaml, mlflow.db, and metrics/, plots/ and mlartifacts/ (no checkpoints) in
+# dvc.lock, params.yaml, mlflow.db, and metrics/, plots/, reports/ and mlartifacts/ (no checkpoints) in
 # outputs.tar.gz.
 #   bash bench/gpu_pipeline.sh [llama|fox]      # fox: the FoX (Pro) + ACP variant, same data and tokens
 # PROFILE: another profile (tiny: the same steps on a CPU). LIMIT: seconds for the whole script (default
@@ -41,7 +41,7 @@ git init -q && git add -A && git -c user.name=longctx -c user.email=longctx@loca
 left() { echo $(( limit - ($(date +%s) - begin) )); }
 collect() {  # (the device returns a limited number of files: the folders travel as one archive)
   cp dvc.lock params.yaml mlflow.db "$out"/ 2>/dev/null
-  tar --exclude="*.safetensors" -czf "$out/outputs.tar.gz" metrics plots mlartifacts 2>/dev/null
+  tar --exclude="*.safetensors" -czf "$out/outputs.tar.gz" metrics plots reports mlartifacts 2>/dev/null
   du -sh "$out"/mlflow.db "$out"/outputs.tar.gz 2>/dev/null
 }
 { nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || nproc; } | tee "$out/device.txt"

@@ -84,6 +84,7 @@ def run(cfg: Params, root: Path) -> None:
         for f in ("scores.csv", "position_loss.csv", "score_vs_length.png", "position_loss.png", "niah_heatmap.png"):
             tracker.artifact(PLOT_DIR / f)
         tracker.artifact(OUT / "comparison.md")
+        tracker.artifact(OUT / "prompts.jsonl")  # every answer beside its gold: what a score of 0 wrote
         tracker.metrics({f"{c}.retention_ppl": v for c, v in results["retention_ppl"].items()})
     print((OUT / "comparison.md").read_text())
 
