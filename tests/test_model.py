@@ -175,6 +175,11 @@ def test_cudnn_plan_routes_documents_by_length():
     assert plan.long_docs.tolist() == [[317, 1183, 1280], [1502, 1498, 1536]]  # start, length, padded
     assert plan.short_index.tolist() == [*range(0, 317), 1500, 1501]
     assert plan.short_cu.tolist() == [0, 17, 317, 319]
+    # batches of one length get plans of one shape, whatever their documents (no recompiles)
+    batches = ([0, 4096], [0, 100, 4096], [0, 3196, *range(3296, 4097, 100)], [0, 1024, 2048, 3072, 4096])
+    shapes = {ca.plan(b, torch.device("cpu")).long_docs.shape for b in batches}
+    assert shapes == {(4, 3)}
+    assert ca.plan([0, 100, 4096], torch.device("cpu")).long_docs.tolist() == [[100, 3996, 4096]] + [[0, 0, 0]] * 3
     sizes = {ca.padded_length(n) for n in range(1024, 65537)}
     assert len(sizes) <= 7 * 8  # a few cuDNN plans per octave
     assert all(n <= ca.padded_length(n) < 1.13 * n for n in range(1024, 65537))

@@ -64,6 +64,26 @@ def test_saved_directory_loads_in_transformers(tmp_path, trained):
     assert TextTokenizer.load(tmp_path / "tok").fingerprint == trained.fingerprint
 
 
+def test_split_digits_gives_every_digit_its_own_token(tmp_path, corpus):
+    """Numbers copy digit by digit (the retrieval tasks' answers); without the switch the same
+    corpus, numbers added, merges digit groups. Saved, transformers splits them alike."""
+    from transformers import AutoTokenizer
+
+    numbers = [" ".join(str(n) for n in range(i * 997, i * 997 + 3000, 7)) for i in range(20)]
+    grouped = TextTokenizer.train(corpus + numbers, BPEParams(vocab_size=1000))
+    split = TextTokenizer.train(corpus + numbers, BPEParams(vocab_size=1000, split_digits=True))
+    text = "The pass key is 4475102. Remember it: 4475102 in 2026."
+    digits = sum(c.isdigit() for c in text)
+    pieces = [split.tok.decode([i]) for i in split.encode_texts([text], False, False)[0].tolist()]
+    assert sum(p.strip().isdigit() for p in pieces) == digits and all(len(p.strip()) <= 1 or not
+                                                                       p.strip().isdigit() for p in pieces)
+    assert split.tok.decode(split.encode_texts([text], False, False)[0].tolist()) == text
+    assert len(grouped.encode_texts([text], False, False)[0]) < len(pieces)
+    split.save(tmp_path / "tok")
+    hf = AutoTokenizer.from_pretrained(tmp_path / "tok")
+    assert hf(text, add_special_tokens=False)["input_ids"] == split.encode_texts([text], False, False)[0].tolist()
+
+
 def _mask_text(tt: TextTokenizer, messages) -> str:
     ids, mask = tt.encode_chats([messages])[0]
     return tt.tok.decode(ids[mask.astype(bool)].tolist(), skip_special_tokens=False)

@@ -132,6 +132,9 @@ class BPEParams(Strict):
     min_frequency: PositiveInt = 2
     sample_bytes: PositiveInt = 20_000_000
     """Bytes of text (spread over domains) the tokenizer is trained on."""
+    split_digits: bool = False
+    """Every digit its own token, as Llama's tokenizer has them: a BPE trained on retrieval
+    documents otherwise learns thousands of digit groups, and a model must learn to copy each."""
 
 
 class TokenizerParams(Strict):

@@ -86,6 +86,9 @@ class TextTokenizer:
     def train(cls, corpus: Iterable[str], cfg: BPEParams) -> TextTokenizer:
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        if cfg.split_digits:
+            tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                         tok.pre_tokenizer])
         tok.decoder = decoders.ByteLevel()
         trainer = trainers.BpeTrainer(
             vocab_size=cfg.vocab_size,

@@ -34,7 +34,8 @@ def padded_length(length: int) -> int:
 @dataclass(frozen=True)
 class Plan:
     long_docs: torch.Tensor
-    """int64 [n, 3] on the host: start, length and padded length of each long document."""
+    """int64 [n, 3] on the host: start, length and padded length of each long document, then
+    rows of zeros (none) up to a count fixed by the tokens."""
     short_index: torch.Tensor
     """int64 on the device: the token positions of the short documents, in order."""
     short_cu: torch.Tensor
@@ -50,6 +51,9 @@ def plan(bounds: list[int], device: torch.device) -> Plan:
             short.append(torch.arange(a, b))
             short_cu.append(short_cu[-1] + b - a)
     index = torch.cat(short) if short else torch.zeros(0, dtype=torch.int64)
+    # one shape for every batch of a length (zero rows after the documents): torch.compile
+    # specializes on sizes 0 and 1, and recompiled per count until its limit made the blocks eager
+    long += [(0, 0, 0)] * (max(2, (bounds[-1] - bounds[0]) // LONG_DOC) - len(long))
     return Plan(torch.tensor(long, dtype=torch.int64).reshape(-1, 3), to_device(index, device),
                 to_device(torch.tensor(short_cu, dtype=torch.int32), device))
 
@@ -80,6 +84,8 @@ def doc_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, long_docs: 
     out = torch.empty_like(q)
     lse = torch.empty(h, n, dtype=torch.float32, device=q.device)
     for start, length, padded in long_docs.tolist():
+        if not length:
+            continue
         res = torch.ops.aten._scaled_dot_product_cudnn_attention(
             *(_dense(t, start, length, padded, h) for t in (q, k, v)), None, True, 0.0, True, False, scale=scale)
         out[start:start + length] = res[0][0, :, :length].transpose(0, 1)
@@ -107,6 +113,8 @@ def doc_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     unused = torch.zeros((), dtype=torch.int64, device=q.device)  # dropout's seed and offset
     for start, length, padded in long_docs.tolist():
+        if not length:
+            continue
         lse_d = lse.new_zeros(1, h, padded, 1)
         lse_d[0, :, :length, 0] = lse[:, start:start + length]
         dense = [_dense(t, start, length, padded, h) for t in (grad, q, k, v, out)]
