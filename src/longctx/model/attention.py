@@ -229,16 +229,18 @@ def available(device: torch.device) -> list[str]:
 
 def resolve(name: str, device: torch.device, fox: bool) -> str:
     """The backend for a config value, checked against the device and the model (`fox`: a decay,
-    FoX's or ALiBi's): a name from BACKENDS, or "auto" for the fastest that can run it (cuDNN's
-    kernel on Hopper, measured 1.5x FlashAttention-2 there)."""
+    FoX's or ALiBi's): a name from BACKENDS, or "auto" for the fastest that can run it. cuDNN's
+    kernel (1.5x FlashAttention-2's speed on Hopper) is refused: on a trained model its
+    gradients do not match (issue 32, the gpu-64k base: lowest per-parameter cosine with sdpa's
+    -0.17, layer 10's q/k projections -0.06; FlashAttention-2's path 0.987; bench/results/
+    backend_grads-*), and the Transformers trained with it learned no retrieval."""
     here = available(device)
     if name == "auto":
         if device.type != "cuda":
             return "sdpa"
         if fox:
             return "fox" if "fox" in here else "flex"
-        hopper = torch.cuda.get_device_capability(device) >= (9, 0)
-        for fast in ("cudnn", "flash_attn", "varlen") if hopper else ("flash_attn", "varlen"):
+        for fast in ("flash_attn", "varlen"):
             if fast in here:
                 return fast
         return "sdpa"
@@ -246,6 +248,9 @@ def resolve(name: str, device: torch.device, fox: bool) -> str:
         raise ValueError(f"attention backend {name!r} is unknown (known: {sorted(BACKENDS)}; on {device.type}: {here})")
     if name not in here:
         raise ValueError(f"attention backend {name!r} cannot run on {device.type} here; use one of {here}")
+    if name == "cudnn":
+        raise ValueError("attention backend 'cudnn' gives wrong gradients on trained models (issue 32: its q/k "
+                         "gradients are uncorrelated with sdpa's); use 'varlen' or 'flash_attn' (or 'auto')")
     if fox and name in PLAIN_ONLY:
         raise ValueError(f"attention backend {name!r} has no decay (FoX's forget gate, ALiBi); for those use "
                          f"{[b for b in here if b not in PLAIN_ONLY]}")
