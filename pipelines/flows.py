@@ -24,7 +24,10 @@ from pathlib import Path
 import yaml
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
 from prefect.concurrency.sync import concurrency
+from prefect.exceptions import ObjectNotFound
 from prefect.runtime import flow_run
 
 from longctx.config import load
@@ -85,12 +88,33 @@ def workspace_lock(workspace: Path):
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+def gpu_ids() -> list[str]:
+    return [g for g in os.environ.get("LONGCTX_GPUS", "").split(",") if g]
+
+
+def ensure_gpu_limit() -> str | None:
+    """The `longctx-gpu` global concurrency limit, one slot per GPU of LONGCTX_GPUS, created when
+    the server has none (an ephemeral server never does), so that GPU stages of concurrent flows
+    on this server queue for it; a limit the user made is kept. Returns what was done, for the log."""
+    gpus = gpu_ids()
+    if not gpus:
+        return None
+    with get_client(sync_client=True) as client:
+        try:
+            have = client.read_global_concurrency_limit_by_name(GPU_LIMIT)
+            return f"GPU stages take slots of the concurrency limit {GPU_LIMIT!r} ({have.limit} slots)"
+        except ObjectNotFound:
+            client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=GPU_LIMIT, limit=len(gpus)))
+            return (f"created the concurrency limit {GPU_LIMIT!r}: {len(gpus)} slot(s), one per GPU of "
+                    f"LONGCTX_GPUS={','.join(gpus)}")
+
+
 @contextmanager
 def gpu_slot(stage: str):
     """A GPU for a GPU stage: a slot of the global limit (when the server has one) and one of
     LONGCTX_GPUS (comma-separated ids) by a per-GPU file lock; nothing for CPU stages, nor where
     LONGCTX_GPUS names no GPU (a machine without GPUs has no slot to wait for)."""
-    gpus = [g for g in os.environ.get("LONGCTX_GPUS", "").split(",") if g]
+    gpus = gpu_ids()
     if stage not in GPU_STAGES or not gpus:
         yield {}
         return
@@ -229,6 +253,8 @@ def pipeline(workspace: str = ".", stages: list[str] | None = None) -> dict[str,
     tracking = params.tracking
     uri = tracking_uri(tracking, ws)
     with workspace_lock(ws):
+        if done := ensure_gpu_limit():
+            get_run_logger().info(done)
         parent = open_run(tracking, ws, "pipeline", flow_run.get_name() or "pipeline",
                           {"prefect.flow_run_id": str(flow_run.get_id() or ""), "longctx.profile": params.profile})
         results = {}

@@ -14,7 +14,7 @@ from mlflow.tracking import MlflowClient
 from prefect.testing.utilities import prefect_test_harness
 
 from conftest import SMALL, dvc_workspace, sh
-from pipelines.flows import STAGES, StageFailed, pipeline, sweep
+from pipelines.flows import GPU_LIMIT, STAGES, StageFailed, ensure_gpu_limit, pipeline, sweep
 
 pytestmark = pytest.mark.slow  # end to end through real DVC, Prefect and MLflow: `pytest -m "not slow"` skips it
 
@@ -102,3 +102,20 @@ def test_the_flow_tracks_where_params_say(tmp_path, monkeypatch, harness):
     assert len(parents) == 1 and parents[0].info.status == "FINISHED"
     assert children(client, parents[0]) == {"corpora": "FINISHED"}
     assert client.get_experiment_by_name("longctx") is None
+
+
+def test_the_gpu_limit_is_made_one_slot_per_gpu_and_a_users_is_kept(monkeypatch, harness):
+    from prefect.client.orchestration import get_client
+
+    monkeypatch.delenv("LONGCTX_GPUS", raising=False)
+    assert ensure_gpu_limit() is None  # no GPUs named: no limit to queue on
+    monkeypatch.setenv("LONGCTX_GPUS", "0,1,3")
+    with get_client(sync_client=True) as client:
+        if any(lim.name == GPU_LIMIT for lim in client.read_global_concurrency_limits()):
+            client.delete_global_concurrency_limit_by_name(GPU_LIMIT)
+        assert "3 slot(s)" in ensure_gpu_limit()
+        assert client.read_global_concurrency_limit_by_name(GPU_LIMIT).limit == 3
+        client.upsert_global_concurrency_limit_by_name(GPU_LIMIT, 2)  # the user's own choice
+        assert "(2 slots)" in ensure_gpu_limit()
+        assert client.read_global_concurrency_limit_by_name(GPU_LIMIT).limit == 2
+        client.delete_global_concurrency_limit_by_name(GPU_LIMIT)
