@@ -15,7 +15,7 @@ from longctx.data.tokenizer import TextTokenizer
 from longctx.errors import ConfigError, DataError
 from longctx.io import atomic_dir, write_json
 from longctx.model.rope import hf_rope_parameters
-from longctx.ropesearch.compare import SEARCHED, needle_sets, plot_factors, same_as, search_and_compare
+from longctx.ropesearch.compare import SEARCHED, needle_sets, plot_factors, search_and_compare
 from longctx.ropesearch.space import Space
 from longctx.tracking import stage_run
 
@@ -88,7 +88,7 @@ def run(cfg: Params, root: Path) -> None:
         result = search_and_compare(model, space, data, tok, rs, needles, theta_change, lengths,
                                     folder / "state.json")
         state, table, factors = result.state, result.table, result.factors
-        summary = result.summary | {"split": split, "searched_equals": same_as(result.factors)}
+        summary = result.summary | {"split": split}
         for h in state.history:
             tracker.metrics({"search.best_needle_nll": h["best"], "search.mean_needle_nll": h["mean"],
                              "search.evaluations": h["evaluations"]}, step=h["generation"])
@@ -96,7 +96,7 @@ def run(cfg: Params, root: Path) -> None:
                            ["needle_ppl_search", "needle_ppl", "plain_ppl"], key="method @ length"))
         with atomic_dir(OUT) as tmp:
             write_json(tmp / "factors.json", hf_rope_parameters(result.ropes[SEARCHED]) | {"searched_on": init})
-            write_json(tmp / "methods.json", factors)
+            write_json(tmp / "methods.json", {"factors": factors, "attention_factor": result.attention})
             (tmp / "history.jsonl").write_text("".join(json.dumps(h) + "\n" for h in state.history))
             write_csv(tmp / "table.csv", table)
         METRICS.mkdir(exist_ok=True)
@@ -104,7 +104,7 @@ def run(cfg: Params, root: Path) -> None:
         PLOTS.mkdir(exist_ok=True)
         write_csv(PLOTS / "rope_search_fitness.csv",
                    [{"generation": h["generation"], "best": h["best"], "mean": h["mean"]} for h in state.history])
-        plot_factors(factors, space, PLOTS / "rope_factors.png")
+        plot_factors(factors, space, PLOTS / "rope_factors.png", result.attention)
         tracker.metrics({k: v for k, v in summary.items() if isinstance(v, (int, float))})
         for f in ("factors.json", "table.csv", "history.jsonl"):
             tracker.artifact(OUT / f)
@@ -112,8 +112,13 @@ def run(cfg: Params, root: Path) -> None:
         print(f"rope_search: {SEARCHED} needle ppl {summary['searched_needle_ppl']:.3f} vs best baseline "
               f"{summary['best_baseline']} {summary['best_baseline_needle_ppl']:.3f} at {target} (held-out sequences)")
         if summary["searched_equals"]:
-            print(f"rope_search: the searched factors are {summary['searched_equals']}'s: the search found nothing "
-                  "better than the baselines (more generations or a larger population may)")
+            print(f"rope_search: the searched setting is {summary['searched_equals']}'s (factors and attention "
+                  "factor): the search found nothing better than the baselines (more generations or a larger "
+                  "population may)")
+        elif twin := summary["searched_factors_equal"]:
+            print(f"rope_search: the searched factors are {twin}'s, with attention factor "
+                  f"{result.attention[SEARCHED]:.4g} against {result.attention[twin.split(', ')[0]]:.4g}: a setting "
+                  "of its own")
 
 
 def _run_folder(cfg: Params, init: str, split: str) -> Path:

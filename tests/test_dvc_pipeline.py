@@ -76,6 +76,10 @@ def test_dvc_repro_runs_the_stages_and_tracks_them(workspace):
     assert search["summary"]["critical_index_theory"] == 2 and search["summary"]["generations"] == 2  # head 8, 256
     factors = json.loads((ws / "models/rope_search/factors.json").read_text())
     assert factors["rope_type"] == "longrope" and len(factors["long_factor"]) == 4
+    settings = json.loads((ws / "models/rope_search/methods.json").read_text())  # each method's whole setting
+    assert set(settings["factors"]) == set(settings["attention_factor"]) == methods
+    assert settings["attention_factor"]["pi"] == 1.0 and settings["attention_factor"]["yarn"] > 1.0
+    assert {"searched_equals", "searched_factors_equal"} <= set(search["summary"])
     assert min(factors["long_factor"][search["summary"]["critical_index_searched"]:]) >= 2.0  # >= s
     assert len(client.get_metric_history(runs["rope_search"].info.run_id, "rope_search/search.best_needle_nll")) == 3
     assert {"rope_factors.png", "table.csv"} <= {a.path for a in client.list_artifacts(runs["rope_search"].info.run_id)}

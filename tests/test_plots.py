@@ -58,6 +58,10 @@ def test_factor_plot_says_when_the_search_equals_a_baseline():
     assert f"{SEARCHED} (= ntk: the search found nothing better)" in labels
     other = factors_figure({"pi": [4.0] * 8, SEARCHED: ntk}, space)
     assert SEARCHED in [ln.get_label() for ln in other.axes[0].get_lines()]
+    # NTK's factors with LongRoPE2's attention factor: another setting, and the legend says how
+    twin = factors_figure({"ntk": ntk, SEARCHED: ntk}, space, {"ntk": 1.0, SEARCHED: 1.1157})
+    assert f"{SEARCHED} (ntk's factors, attention factor 1.116 vs 1)" in [ln.get_label()
+                                                                          for ln in twin.axes[0].get_lines()]
 
 
 def test_same_as_names_the_baseline_the_search_kept():
@@ -65,6 +69,10 @@ def test_same_as_names_the_baseline_the_search_kept():
 
     assert same_as({"ntk": [1.0, 2.0], "yarn": [1.0, 3.0], SEARCHED: [1.0, 2.0]}) == "ntk"
     assert same_as({"ntk": [1.0, 2.0], SEARCHED: [1.0, 2.5]}) is None
+    # the whole setting: equal factors with another attention factor are not the same method
+    factors = {"ntk": [1.0, 2.0], "yarn": [1.0, 2.0], SEARCHED: [1.0, 2.0]}
+    assert same_as(factors, {"ntk": 1.0, "yarn": 1.2, SEARCHED: 1.2}) == "yarn"
+    assert same_as(factors, {"ntk": 1.0, "yarn": 1.0, SEARCHED: 1.2}) is None and same_as(factors) == "ntk, yarn"
 
 
 def test_loss_by_position_marks_the_training_length():

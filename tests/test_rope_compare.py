@@ -17,7 +17,15 @@ from longctx.errors import DataError
 from longctx.model.config import ModelConfig, RopeConfig
 from longctx.model.rope import from_hf, hf_rope_parameters
 from longctx.model.transformer import Transformer
-from longctx.ropesearch.compare import SEARCHED, needle_sets, plot_factors, search_and_compare, use_rope, verdict
+from longctx.ropesearch.compare import (
+    SEARCHED,
+    needle_sets,
+    plot_factors,
+    same_as,
+    search_and_compare,
+    use_rope,
+    verdict,
+)
 from longctx.ropesearch.space import Space, longrope, method_ropes
 from longctx.train.models import longrope_factors
 
@@ -48,6 +56,11 @@ def test_search_and_compare_score_every_method_on_the_same_sequences(small_proje
     assert result.summary["target_length"] == 512 and result.summary["generations"] == 2
     assert set(result.factors) == methods and all(len(f) == 8 for f in result.factors.values())
     np.testing.assert_allclose(result.factors["pi"], 4.0, rtol=1e-5)  # position interpolation: s everywhere
+    # the attention factors at the target: 1 for PI and NTK, YaRN's 0.1 ln s + 1, the searched one's own
+    assert result.attention["pi"] == result.attention["ntk"] == 1.0
+    assert result.attention["yarn"] == pytest.approx(0.1 * np.log(4) + 1, rel=1e-6)
+    assert result.attention[SEARCHED] == pytest.approx(result.state.population[0].attention, rel=1e-6)
+    assert result.summary["searched_equals"] == same_as(result.factors, result.attention)
     assert json.loads((tmp_path / "state.json").read_text())["generation"] == 2
     plot_factors(result.factors, space, tmp_path / "factors.png")
     assert (tmp_path / "factors.png").stat().st_size > 10_000

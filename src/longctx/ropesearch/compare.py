@@ -4,6 +4,7 @@ and the factors per frequency (LongRoPE2's Figure 4)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from ..data.loader import PackedDataset
 from ..data.tokenizer import TextTokenizer
 from ..eval import needle
 from ..model.config import RopeConfig
+from ..model.rope import inverse_frequencies
 from ..model.transformer import Transformer
 from ..plotting import labels, pyplot, save
 from .evolve import Settings, State, search
@@ -32,6 +34,9 @@ class Comparison:
     """method_table's rows."""
     factors: dict[str, list[float]]
     """Each method's rescale factor per frequency at the target length."""
+    attention: dict[str, float]
+    """Each method's attention factor (cos/sin scale) at the target length: with the factors,
+    its whole setting."""
     summary: dict
     """The verdict, with what the search found and spent."""
 
@@ -65,13 +70,19 @@ def search_and_compare(model: Transformer, space: Space, data: PackedDataset, to
     best = state.population[0]
     ropes[SEARCHED] = rope_of(space, best)
     table = method_table(model, ropes, space, data, tok, lengths, fit_seqs, held_out, rs)
+    factors = {name: factors_of(r, space).tolist() for name, r in ropes.items()}
+    attention = {name: attention_of(r, space) for name, r in ropes.items()}
     summary = verdict(table, space.target) | {
+        "searched_equals": same_as(factors, attention), "searched_factors_equal": same_as(factors),
         "critical_index_theory": space.tcd, "critical_index_searched": best.r, "attention_factor": best.attention,
         "candidates": [space.lo, space.r_max], "scale": space.scale, "evaluations": len(state.cache),
         "generations": state.generation, "stopped": state.stopped, "original_window": space.original,
         "target_length": space.target}
-    return Comparison(ropes, state, table, {name: factors_of(r, space).tolist() for name, r in ropes.items()},
-                      summary)
+    return Comparison(ropes, state, table, factors, attention, summary)
+
+
+def attention_of(rope: RopeConfig, space: Space) -> float:
+    return float(inverse_frequencies(rope, space.head_dim, space.target, space.target)[1])
 
 
 def use_rope(model: Transformer, rope: RopeConfig, window: int) -> Transformer:
@@ -124,23 +135,37 @@ def verdict(table: list[dict], target: int) -> dict:
             "searched_not_worse_held_out": at[SEARCHED]["needle_ppl"] <= baselines[best]["needle_ppl"] * (1 + 1e-4)}
 
 
-def same_as(factors: dict[str, list[float]]) -> str | None:
-    """The baseline whose factors the searched ones equal (the search kept a seed), or None."""
-    found = [b for b, f in factors.items() if b != SEARCHED and np.allclose(f, factors[SEARCHED], rtol=1e-6)]
+def same_as(factors: dict[str, list[float]], attention: dict[str, float] | None = None) -> str | None:
+    """The baselines whose factors the searched ones equal and, given `attention`, whose attention
+    factor too (the whole setting: the search kept a seed), or None."""
+    found = [b for b, f in factors.items() if b != SEARCHED and np.allclose(f, factors[SEARCHED], rtol=1e-6)
+             and (attention is None or math.isclose(attention[b], attention[SEARCHED], rel_tol=1e-6))]
     return ", ".join(found) or None
 
 
-def plot_factors(factors: dict[str, list[float]], space: Space, path: Path) -> None:
+def plot_factors(factors: dict[str, list[float]], space: Space, path: Path,
+                 attention: dict[str, float] | None = None) -> None:
     """Factor vs frequency index for every method (LongRoPE2's Figure 4)."""
-    save(factors_figure(factors, space), path)
+    save(factors_figure(factors, space, attention), path)
 
 
-def factors_figure(factors: dict[str, list[float]], space: Space):
+def searched_label(factors: dict[str, list[float]], attention: dict[str, float] | None) -> str:
+    """The searched setting's legend entry: what it equals, or whose factors it shares with
+    another attention factor (a different setting, though the lines coincide)."""
+    if same := same_as(factors, attention):
+        return f"{SEARCHED} (= {same}: the search found nothing better)"
+    if attention and (twin := same_as(factors)):
+        base = twin.split(", ")[0]
+        return f"{SEARCHED} ({twin}'s factors, attention factor {attention[SEARCHED]:.4g} vs {attention[base]:.4g})"
+    return SEARCHED
+
+
+def factors_figure(factors: dict[str, list[float]], space: Space, attention: dict[str, float] | None = None):
     fig, ax = pyplot().subplots(figsize=(8, 4.5))
     for name, f in factors.items():
         label = name
-        if name == SEARCHED and (same := same_as(factors)):  # drawn over it: the legend says so, the line dashed
-            label = f"{name} (= {same}: the search found nothing better)"
+        if name == SEARCHED:  # drawn over a baseline: the legend says so, the line dashed
+            label = searched_label(factors, attention)
         ax.plot(range(len(f)), f, marker="o" if name == SEARCHED else ".", linewidth=2.2 if name == SEARCHED else 1.2,
                 linestyle="--" if label != name else "-", label=label)
     ax.axvline(space.tcd, color="k", linestyle="--", linewidth=1, label=f"theoretical critical index {space.tcd}")
