@@ -111,6 +111,12 @@ def run(cfg: Params, root: Path) -> None:
         tracker.artifact(PLOTS / "rope_factors.png")
         print(f"rope_search: {SEARCHED} needle ppl {summary['searched_needle_ppl']:.3f} vs best baseline "
               f"{summary['best_baseline']} {summary['best_baseline_needle_ppl']:.3f} at {target} (held-out sequences)")
+        outside = [f"{b} (factors moved up to {c['factor_moved']:.0%}, attention factor {c['attention']:.4g} -> "
+                   f"{c['nearest_attention']:.4g})"
+                   for b, c in summary["baselines_in_space"].items() if not c["in_space"]]
+        if outside:
+            print("rope_search: outside the search space, so seeded as their nearest individuals: "
+                  + "; ".join(outside))
         if summary["searched_equals"]:
             print(f"rope_search: the searched setting is {summary['searched_equals']}'s (factors and attention "
                   "factor): the search found nothing better than the baselines (more generations or a larger "

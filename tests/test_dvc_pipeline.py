@@ -80,6 +80,7 @@ def test_dvc_repro_runs_the_stages_and_tracks_them(workspace):
     assert set(settings["factors"]) == set(settings["attention_factor"]) == methods
     assert settings["attention_factor"]["pi"] == 1.0 and settings["attention_factor"]["yarn"] > 1.0
     assert {"searched_equals", "searched_factors_equal"} <= set(search["summary"])
+    assert not search["summary"]["baselines_in_space"]["pi"]["in_space"]  # below r the space is NTK-shaped
     assert min(factors["long_factor"][search["summary"]["critical_index_searched"]:]) >= 2.0  # >= s
     assert len(client.get_metric_history(runs["rope_search"].info.run_id, "rope_search/search.best_needle_nll")) == 3
     assert {"rope_factors.png", "table.csv"} <= {a.path for a in client.list_artifacts(runs["rope_search"].info.run_id)}

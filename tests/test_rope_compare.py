@@ -61,6 +61,7 @@ def test_search_and_compare_score_every_method_on_the_same_sequences(small_proje
     assert result.attention["yarn"] == pytest.approx(0.1 * np.log(4) + 1, rel=1e-6)
     assert result.attention[SEARCHED] == pytest.approx(result.state.population[0].attention, rel=1e-6)
     assert result.summary["searched_equals"] == same_as(result.factors, result.attention)
+    assert set(result.summary["baselines_in_space"]) == methods - {SEARCHED}
     assert json.loads((tmp_path / "state.json").read_text())["generation"] == 2
     plot_factors(result.factors, space, tmp_path / "factors.png")
     assert (tmp_path / "factors.png").stat().st_size > 10_000

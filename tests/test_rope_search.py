@@ -20,6 +20,7 @@ from longctx.data.loader import PackedDataset
 from longctx.data.tokenizer import TextTokenizer
 from longctx.errors import DataError
 from longctx.eval import needle
+from longctx.ropesearch.compare import coverage
 from longctx.ropesearch.space import Space, critical_index, factors_of, longrope, method_ropes, periods_index, seeds
 
 
@@ -75,6 +76,20 @@ def test_baselines_as_factors():
     assert len(anchors) == len(set(anchors)) and all(space.lo <= a.r <= space.tcd for a in anchors)
     searched = longrope(space, space.factors(anchors[0]))
     assert searched.short_factor == [1.0] * 32 and len(searched.long_factor) == 32
+
+
+def test_coverage_says_which_baselines_the_space_holds():
+    """NTK is the space's corner (r at the last frequency, lambda = s there, temperature 1); PI,
+    the original RoPE and YaRN are not in it, and the summary says how far each was moved."""
+    wide = Space(head_dim=64, theta=1e4, original=1024, target=4096, critical_max="all", search_attention=True)
+    cov = coverage(wide, method_ropes(wide, base_change_theta=1.6e5))
+    assert cov["ntk"]["in_space"] and cov["ntk"]["factor_moved"] < 1e-5
+    assert not cov["pi"]["in_space"] and not cov["original"]["in_space"] and not cov["yarn"]["in_space"]
+    assert cov["original"]["factor_moved"] == pytest.approx(3.0, rel=1e-4)  # lambda 1 raised to s = 4
+    assert cov["yarn"]["attention"] == pytest.approx(0.1 * np.log(4) + 1, rel=1e-5)
+    paper = Space(head_dim=64, theta=1e4, original=1024, target=4096)  # r <= i_tcd, LongRoPE2's temperature
+    narrow = coverage(paper, method_ropes(paper, None))
+    assert not narrow["ntk"]["in_space"] and narrow["ntk"]["nearest_attention"] == paper.paper_attention
 
 
 def test_needle_sequences_score_only_the_answer(small_project):

@@ -74,6 +74,7 @@ def search_and_compare(model: Transformer, space: Space, data: PackedDataset, to
     attention = {name: attention_of(r, space) for name, r in ropes.items()}
     summary = verdict(table, space.target) | {
         "searched_equals": same_as(factors, attention), "searched_factors_equal": same_as(factors),
+        "baselines_in_space": coverage(space, {n: r for n, r in ropes.items() if n != SEARCHED}),
         "critical_index_theory": space.tcd, "critical_index_searched": best.r, "attention_factor": best.attention,
         "candidates": [space.lo, space.r_max], "scale": space.scale, "evaluations": len(state.cache),
         "generations": state.generation, "stopped": state.stopped, "original_window": space.original,
@@ -83,6 +84,24 @@ def search_and_compare(model: Transformer, space: Space, data: PackedDataset, to
 
 def attention_of(rope: RopeConfig, space: Space) -> float:
     return float(inverse_frequencies(rope, space.head_dim, space.target, space.target)[1])
+
+
+def coverage(space: Space, ropes: dict[str, RopeConfig]) -> dict[str, dict]:
+    """Per baseline: whether the search space holds its whole setting, and how far the nearest
+    individual (what its seed became) moved it: the largest factor change (0.0 = none; 3.0 = a
+    factor 4x off) and the candidate attention factor nearest its own. Below the critical index
+    the space forces NTK's shape, and factors lie in [s, factor_max * s] above it, so PI, the
+    original RoPE and YaRN are outside it."""
+    out = {}
+    for name, rope in ropes.items():
+        f, a = factors_of(rope, space), attention_of(rope, space)
+        moved = min(float(np.max(np.abs(np.log(space.factors(space.project(f, r, a)) / f))))
+                    for r in range(space.lo, space.r_max + 1))
+        nearest = min(space.attentions, key=lambda x: abs(x - a))
+        out[name] = {"in_space": moved < 1e-5 and math.isclose(nearest, a, rel_tol=1e-5),
+                     "factor_moved": round(math.expm1(moved), 6), "attention": round(a, 6),
+                     "nearest_attention": nearest}
+    return out
 
 
 def use_rope(model: Transformer, rope: RopeConfig, window: int) -> Transformer:
