@@ -93,7 +93,8 @@ def run(cfg: Params, root: Path) -> None:
             tracker.metrics({"search.best_needle_nll": h["best"], "search.mean_needle_nll": h["mean"],
                              "search.evaluations": h["evaluations"]}, step=h["generation"])
         print(format_table({f"{r['method']} @ {r['length']}": r for r in table},
-                           ["needle_ppl_search", "needle_ppl", "plain_ppl"], key="method @ length"))
+                           ["needle_ppl_search", "needle_ppl", "needle_ppl_lo", "needle_ppl_hi", "plain_ppl"],
+                           key="method @ length"))
         with atomic_dir(OUT) as tmp:
             write_json(tmp / "factors.json", hf_rope_parameters(result.ropes[SEARCHED]) | {"searched_on": init})
             write_json(tmp / "methods.json", {"factors": factors, "attention_factor": result.attention})
@@ -109,8 +110,12 @@ def run(cfg: Params, root: Path) -> None:
         for f in ("factors.json", "table.csv", "history.jsonl"):
             tracker.artifact(OUT / f)
         tracker.artifact(PLOTS / "rope_factors.png")
-        print(f"rope_search: {SEARCHED} needle ppl {summary['searched_needle_ppl']:.3f} vs best baseline "
-              f"{summary['best_baseline']} {summary['best_baseline_needle_ppl']:.3f} at {target} (held-out sequences)")
+        lo, hi = summary["searched_needle_ppl_interval"]
+        blo, bhi = summary["best_baseline_needle_ppl_interval"]
+        print(f"rope_search: {SEARCHED} needle ppl {summary['searched_needle_ppl']:.3f} [{lo:.3f}, {hi:.3f}] vs best "
+              f"baseline {summary['best_baseline']} {summary['best_baseline_needle_ppl']:.3f} [{blo:.3f}, {bhi:.3f}] "
+              f"at {target} ({len(needles[1])} held-out sequences, 95% bootstrap intervals; the search fitted "
+              f"{len(needles[0])} others)")
         outside = [f"{b} (factors moved up to {c['factor_moved']:.0%}, attention factor {c['attention']:.4g} -> "
                    f"{c['nearest_attention']:.4g})"
                    for b, c in summary["baselines_in_space"].items() if not c["in_space"]]

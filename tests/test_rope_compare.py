@@ -62,16 +62,30 @@ def test_search_and_compare_score_every_method_on_the_same_sequences(small_proje
     assert result.attention[SEARCHED] == pytest.approx(result.state.population[0].attention, rel=1e-6)
     assert result.summary["searched_equals"] == same_as(result.factors, result.attention)
     assert set(result.summary["baselines_in_space"]) == methods - {SEARCHED}
+    assert all(r["needle_ppl_lo"] <= r["needle_ppl"] <= r["needle_ppl_hi"] for r in result.table if r["length"] == 512)
     assert json.loads((tmp_path / "state.json").read_text())["generation"] == 2
     plot_factors(result.factors, space, tmp_path / "factors.png")
     assert (tmp_path / "factors.png").stat().st_size > 10_000
 
 
+def test_the_interval_is_over_sequences():
+    from longctx.eval.needle import ppl_interval
+
+    one = ppl_interval(np.array([6.0]), np.array([3]))
+    assert one == pytest.approx((np.exp(2.0), np.exp(2.0)))  # one sequence: no spread to resample
+    alike = ppl_interval(np.array([6.0, 6.0, 6.0, 6.0]), np.array([3, 3, 3, 3]))
+    apart = ppl_interval(np.array([0.3, 12.0, 3.0, 9.0]), np.array([3, 3, 3, 3]))
+    assert alike[1] - alike[0] < 1e-9 < apart[1] - apart[0]
+    assert apart[0] < np.exp(24.3 / 12) < apart[1]  # the point estimate lies inside
+
+
 def table(searched: float, searched_fit: float) -> list[dict]:
-    rows = [{"method": "pi", "length": 512, "needle_ppl": 3.0, "needle_ppl_search": 2.0},
-            {"method": "yarn", "length": 512, "needle_ppl": 2.5, "needle_ppl_search": 2.2},
-            {"method": "yarn", "length": 128, "needle_ppl": 1.1, "needle_ppl_search": 1.0}]
-    return [*rows, {"method": SEARCHED, "length": 512, "needle_ppl": searched, "needle_ppl_search": searched_fit}]
+    def at_target(method: str, held_out: float, fit: float) -> dict:
+        return {"method": method, "length": 512, "needle_ppl": held_out, "needle_ppl_lo": held_out * 0.9,
+                "needle_ppl_hi": held_out * 1.1, "needle_ppl_search": fit}
+
+    return [at_target("pi", 3.0, 2.0), at_target("yarn", 2.5, 2.2),
+            {"method": "yarn", "length": 128, "needle_ppl": 1.1}, at_target(SEARCHED, searched, searched_fit)]
 
 
 def test_the_verdict_compares_with_the_best_baseline_on_each_set():
@@ -79,6 +93,8 @@ def test_the_verdict_compares_with_the_best_baseline_on_each_set():
     assert (v["best_baseline"], v["best_baseline_needle_ppl"]) == ("yarn", 2.5)  # held out
     assert (v["best_baseline_search_set"], v["best_baseline_needle_ppl_search_set"]) == ("pi", 2.0)
     assert v["searched_not_worse"] and v["searched_not_worse_held_out"]
+    assert v["searched_needle_ppl_interval"] == pytest.approx([2.16, 2.64])
+    assert v["best_baseline_needle_ppl_interval"] == pytest.approx([2.25, 2.75])
     v = verdict(table(2.6, 2.0001), 512)  # equal up to float noise still passes; worse does not
     assert v["searched_not_worse"] and not v["searched_not_worse_held_out"]
     assert not verdict(table(2.4, 2.01), 512)["searched_not_worse"]

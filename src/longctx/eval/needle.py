@@ -104,6 +104,28 @@ def needle_nll(model, seqs: list[NeedleSequence], batch_tokens: int = 32768) -> 
     return mean_nll(model, [(s.ids, labels_of(s)) for s in seqs], batch_tokens)
 
 
+def needle_nlls(model, seqs: list[NeedleSequence]) -> tuple[np.ndarray, np.ndarray]:
+    """Per sequence: the answer's summed next-token loss and its token count (one forward each),
+    for intervals over sequences."""
+    sums, counts = [], []
+    for s in seqs:
+        labels = labels_of(s)
+        counts.append(int((labels != IGNORE).sum()))
+        sums.append(mean_nll(model, [(s.ids, labels)], len(s.ids)) * counts[-1])
+    return np.asarray(sums), np.asarray(counts)
+
+
+def ppl_interval(sums: np.ndarray, counts: np.ndarray, draws: int = 2000, level: float = 0.95,
+                 seed: int = 0) -> tuple[float, float]:
+    """Bootstrap interval of the perplexity over sequences (resampled with replacement): how much
+    a verdict on a handful of needles can be trusted."""
+    rng = np.random.default_rng(seed)
+    pick = rng.integers(len(sums), size=(draws, len(sums)))
+    ppl = np.exp(np.minimum(sums[pick].sum(1) / np.maximum(counts[pick].sum(1), 1), 700.0))
+    lo, hi = np.quantile(ppl, [(1 - level) / 2, (1 + level) / 2])
+    return float(lo), float(hi)
+
+
 def plain_nll(model, docs: list[np.ndarray], batch_tokens: int = 32768) -> float:
     return mean_nll(model, [(d, plain_labels(d)) for d in docs], batch_tokens)
 

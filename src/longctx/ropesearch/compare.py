@@ -114,7 +114,8 @@ def method_table(model: Transformer, ropes: dict[str, RopeConfig], space: Space,
                  tok: TextTokenizer, lengths: list[int], fit_seqs: list[needle.NeedleSequence],
                  held_out: list[needle.NeedleSequence], rs: RopeSearchParams) -> list[dict]:
     """Needle and plain perplexity of every method at every length, on the same sequences; at
-    the target length also on the sequences the search fitted (`needle_ppl_search`)."""
+    the target length with a bootstrap interval over the held-out sequences (`needle_ppl_lo`,
+    `needle_ppl_hi`), and also on the sequences the search fitted (`needle_ppl_search`)."""
     rows = []
     per_length = {}
     for n in lengths:
@@ -130,6 +131,9 @@ def method_table(model: Transformer, ropes: dict[str, RopeConfig], space: Space,
                    "needle_ppl": needle.perplexity(needle.needle_nll(model, seqs, rs.batch_tokens)),
                    "plain_ppl": needle.perplexity(needle.plain_nll(model, docs, rs.batch_tokens))}
             if n == space.target:
+                sums, counts = needle.needle_nlls(model, seqs)
+                row["needle_ppl"] = needle.perplexity(sums.sum() / max(counts.sum(), 1))
+                row["needle_ppl_lo"], row["needle_ppl_hi"] = needle.ppl_interval(sums, counts, seed=rs.seed)
                 row["needle_ppl_search"] = needle.perplexity(needle.needle_nll(model, fit_seqs, rs.batch_tokens))
             rows.append({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()})
     return rows
@@ -143,6 +147,9 @@ def verdict(table: list[dict], target: int) -> dict:
     best_search = min(baselines, key=lambda m: baselines[m]["needle_ppl_search"])
     return {"searched_needle_ppl": at[SEARCHED]["needle_ppl"], "best_baseline": best,
             "best_baseline_needle_ppl": baselines[best]["needle_ppl"],
+            # 95% bootstrap intervals over the held-out sequences: overlapping ones decide nothing
+            "searched_needle_ppl_interval": [at[SEARCHED]["needle_ppl_lo"], at[SEARCHED]["needle_ppl_hi"]],
+            "best_baseline_needle_ppl_interval": [baselines[best]["needle_ppl_lo"], baselines[best]["needle_ppl_hi"]],
             "searched_needle_ppl_search_set": at[SEARCHED]["needle_ppl_search"],
             "best_baseline_search_set": best_search,
             "best_baseline_needle_ppl_search_set": baselines[best_search]["needle_ppl_search"],
