@@ -75,6 +75,9 @@ def run(cfg: Params, root: Path) -> None:
                                          windows[name], short, built)
             rows_all += rows
             position_rows += curve
+            _, means = report.length_means({name: results["tasks"][name]})  # as it comes: a run cut short keeps it
+            scores = ", ".join(f"{v:.2f} at {n}" for n, v in sorted(means[name].items()))
+            print(f"eval {name}: mean task score {scores}", flush=True)
             speed = results["throughput"][name]
             tracker.metrics({f"{name}.{t}.{n}": v for t, by in results["tasks"][name].items() for n, v in by.items()})
             tracker.metrics({f"{name}.{k}": speed[k] for k in ("prompts_per_s", "tokens_per_s")})

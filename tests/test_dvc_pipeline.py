@@ -28,6 +28,8 @@ def test_dvc_repro_runs_the_stages_and_tracks_them(workspace):
     out = sh(["dvc", "repro"], ws, env)
     for stage in ("corpora", "tokenize", "pack", "base", "rope_search", "pretrain", "sft", "eval"):
         assert f"Running stage '{stage}'" in out
+    for ckpt in ("base", "pretrain_stage1", "pretrain_stage2", "sft"):  # each checkpoint's scores as they come
+        assert re.search(rf"eval {ckpt}: mean task score \d\.\d\d at 256, \d\.\d\d at 512", out), ckpt
     assert (ws / "data/packed/stage1/train/tokens.bin").stat().st_size > 0
     assert json.loads((ws / "metrics/pack.json").read_text())["stage1.train"]["sequences"] > 0
     assert (ws / "plots/length_hist.png").stat().st_size > 10_000
