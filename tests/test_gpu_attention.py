@@ -77,16 +77,21 @@ def test_cudnn_routes_long_and_short_documents(lengths, heads, d, monkeypatch):
     h, hk = heads
     leaves = [torch.randn(n, x, d, generator=gen, device=DEV, dtype=torch.bfloat16).requires_grad_(True)
               for x in (h, hk, hk)]
-    ref_leaves = [t.detach().double().requires_grad_(True) for t in leaves]
     for plan in (attention.plan("cudnn", bounds, DEV), None):
-        out = attention.cudnn(*leaves, cu, plan=plan)
-        ref = attention.reference(*ref_leaves, cu)
-        g = torch.randn_like(ref)
-        grads = torch.autograd.grad(out, leaves, g.to(out.dtype))
-        ref_grads = torch.autograd.grad(ref, ref_leaves, g)
-        assert rel(out, ref) <= 1e-2
-        for name, a, b in zip("qkv", grads, ref_grads, strict=True):
-            assert rel(a, b) <= 1e-2, (name, rel(a, b))
+        check_qkv(lambda *t, plan=plan: attention.cudnn(*t, cu, plan=plan), leaves, cu, 1e-2, 1e-2)
+
+
+def check_qkv(fn, leaves: list[torch.Tensor], cu: torch.Tensor, out_tol: float, grad_tol: float) -> None:
+    """fn(q, k, v) and its q/k/v gradients against the fp64 reference on the same documents."""
+    ref_leaves = [t.detach().double().requires_grad_(True) for t in leaves]
+    out = fn(*leaves)
+    ref = attention.reference(*ref_leaves, cu)
+    g = torch.randn_like(ref)
+    grads = torch.autograd.grad(out, leaves, g.to(out.dtype))
+    ref_grads = torch.autograd.grad(ref, ref_leaves, g)
+    assert rel(out, ref) <= out_tol
+    for name, a, b in zip("qkv", grads, ref_grads, strict=True):
+        assert rel(a, b) <= grad_tol, (name, rel(a, b))
 
 
 
@@ -103,12 +108,4 @@ def test_peaked_attention_over_long_documents(backend):
     q, k, v = (torch.randn(n, h, 64, generator=gen, device=DEV) for h in (4, 4, 4))
     q, k = 2.8 * q, 2.8 * k  # q.k / 8 has std ~8 at D 64
     leaves = [t.to(torch.bfloat16).requires_grad_(True) for t in (q, k, v)]
-    ref_leaves = [t.detach().double().requires_grad_(True) for t in leaves]
-    out = attention.BACKENDS[backend](*leaves, cu)
-    ref = attention.reference(*ref_leaves, cu)
-    g = torch.randn_like(ref)
-    grads = torch.autograd.grad(out, leaves, g.to(out.dtype))
-    ref_grads = torch.autograd.grad(ref, ref_leaves, g)
-    assert rel(out, ref) <= 2e-2
-    for name, a, b in zip("qkv", grads, ref_grads, strict=True):
-        assert rel(a, b) <= 3e-2, (name, rel(a, b))
+    check_qkv(lambda *t: attention.BACKENDS[backend](*t, cu), leaves, cu, 2e-2, 3e-2)
