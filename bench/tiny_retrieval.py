@@ -35,9 +35,11 @@ from longctx.eval.suite import Encoder, build_prompts
 from longctx.model.config import ModelConfig, RopeConfig
 from longctx.model.decode import generate
 from longctx.perf import write_result
-from longctx.train.loop import make_batch
+from longctx.config.schema import RunParams
+from longctx.train.loop import make_batch, prepare, queue_step
 from longctx.train.models import build
 from longctx.train.optim import adamw, lr_at
+from longctx.train.parallel import Parallel
 
 Sequence = tuple[np.ndarray, list[int]]
 """A packed sequence: token ids and its document lengths."""
@@ -68,6 +70,10 @@ class Variant:
     """Documents never cut across sequences (the pack stage's kind `whole`); False: cut with
     carry-over (kind `short`)."""
     seed: int = 0
+    path: str = "fp32"
+    """"fp32": the CPU's math (sdpa, fp32, eager AdamW) on any device; "stage": what a training
+    stage runs on its device (`auto` attention, prepare()'s bf16 compute weights and compiled
+    blocks on a GPU, queue_step's fused AdamW), to check the GPU's fast path learns as the CPU's."""
 
 
 VARIANTS: dict[str, Variant] = {
@@ -78,6 +84,10 @@ VARIANTS: dict[str, Variant] = {
     "carry": Variant(whole=False),
     "share07": Variant(share=0.7),
     "long_docs": Variant(max_chars=2000),
+    "stage": Variant(path="stage"),
+    "stage_seed2": Variant(path="stage", seed=2),
+    "tiny_seed2_fp32": Variant(seed=2),
+    "d128_stage": Variant(d_model=128, n_heads=4, ffn_dim=384, lr=3e-3, lr_min=3e-4, path="stage"),
 }
 
 
@@ -169,7 +179,13 @@ def run(name: str, v: Variant, tok: TextTokenizer, readers: list[ShardReader], d
     data = Packed([data[i] for i in np.random.default_rng(v.seed).permutation(len(data))])
     cfg = ModelConfig(vocab_size=tok.vocab_size, d_model=v.d_model, n_layers=v.n_layers, n_heads=v.n_heads,
                       ffn_dim=v.ffn_dim, max_position_embeddings=v.seq_len, rope=RopeConfig(theta=v.theta))
-    model = build(cfg, "sdpa", v.seed, device)  # the CPU's attention path, in fp32 on a GPU too
+    if v.path not in ("fp32", "stage"):
+        raise ValueError(f"path: {v.path!r} is not fp32 or stage")
+    stage = v.path == "stage"
+    model = build(cfg, "auto" if stage else "sdpa", v.seed, device)
+    par = Parallel(device=device)
+    if stage:
+        prepare(model, RunParams(steps=v.steps, micro_batch=v.batch, lr=v.lr, seed=v.seed), par)
     opt = adamw(model, v.lr, (0.9, 0.95), v.weight_decay)
     enc = Encoder(tok, chat=False)
     depths = [float(d) for d in np.linspace(0.05, 0.95, per_task)]
@@ -181,11 +197,14 @@ def run(name: str, v: Variant, tok: TextTokenizer, readers: list[ShardReader], d
         b = make_batch(data, list(range(step * v.batch, (step + 1) * v.batch)), device)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, v.steps, v.lr, v.warmup, v.lr_min)
-        loss = model(b.ids, b.cu_seqlens.tolist(), labels=b.labels) / b.valid
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        if stage:
+            loss = torch.tensor(queue_step(model, opt, [b], par, 1.0).result()[0])
+        else:
+            loss = model(b.ids, b.cu_seqlens.tolist(), labels=b.labels) / b.valid
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         train_s += time.perf_counter() - s0
         if step + 1 in at:
             model.eval()
