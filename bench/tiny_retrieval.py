@@ -21,11 +21,13 @@ import itertools
 import json
 import multiprocessing
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from longctx.config.schema import RunParams
 from longctx.data.loader import Sample
 from longctx.data.shards import ShardReader
 from longctx.data.synthetic import documents
@@ -35,7 +37,6 @@ from longctx.eval.suite import Encoder, build_prompts
 from longctx.model.config import ModelConfig, RopeConfig
 from longctx.model.decode import generate
 from longctx.perf import write_result
-from longctx.config.schema import RunParams
 from longctx.train.loop import make_batch, prepare, queue_step
 from longctx.train.models import build
 from longctx.train.optim import adamw, lr_at
@@ -74,6 +75,10 @@ class Variant:
     """"fp32": the CPU's math (sdpa, fp32, eager AdamW) on any device; "stage": what a training
     stage runs on its device (`auto` attention, prepare()'s bf16 compute weights and compiled
     blocks on a GPU, queue_step's fused AdamW), to check the GPU's fast path learns as the CPU's."""
+    backend: str = ""
+    """The attention backend (default: the path's, sdpa or auto)."""
+    compile: bool = True
+    """path "stage": compiled blocks on a GPU (RunParams.compile)."""
 
 
 VARIANTS: dict[str, Variant] = {
@@ -88,6 +93,13 @@ VARIANTS: dict[str, Variant] = {
     "stage_seed2": Variant(path="stage", seed=2),
     "tiny_seed2_fp32": Variant(seed=2),
     "d128_stage": Variant(d_model=128, n_heads=4, ffn_dim=384, lr=3e-3, lr_min=3e-4, path="stage"),
+    "stage_sdpa": Variant(path="stage", backend="sdpa"),
+    "stage_eager": Variant(path="stage", compile=False),
+    # gpu-64k's base shape and schedule (~100M parameters, 4,096 tokens, 500 x 16) on this data
+    "base100m": Variant(steps=500, seq_len=4096, d_model=768, n_layers=12, n_heads=12, ffn_dim=2048, lr=2e-3,
+                        lr_min=2e-4, path="stage"),
+    "base100m_lr6e-4": Variant(steps=500, seq_len=4096, d_model=768, n_layers=12, n_heads=12, ffn_dim=2048,
+                               lr=6e-4, lr_min=6e-5, path="stage"),
 }
 
 
@@ -182,10 +194,10 @@ def run(name: str, v: Variant, tok: TextTokenizer, readers: list[ShardReader], d
     if v.path not in ("fp32", "stage"):
         raise ValueError(f"path: {v.path!r} is not fp32 or stage")
     stage = v.path == "stage"
-    model = build(cfg, "auto" if stage else "sdpa", v.seed, device)
+    model = build(cfg, v.backend or ("auto" if stage else "sdpa"), v.seed, device)
     par = Parallel(device=device)
     if stage:
-        prepare(model, RunParams(steps=v.steps, micro_batch=v.batch, lr=v.lr, seed=v.seed), par)
+        prepare(model, RunParams(steps=v.steps, micro_batch=v.batch, lr=v.lr, seed=v.seed, compile=v.compile), par)
     opt = adamw(model, v.lr, (0.9, 0.95), v.weight_decay)
     enc = Encoder(tok, chat=False)
     depths = [float(d) for d in np.linspace(0.05, 0.95, per_task)]
@@ -208,12 +220,15 @@ def run(name: str, v: Variant, tok: TextTokenizer, readers: list[ShardReader], d
         train_s += time.perf_counter() - s0
         if step + 1 in at:
             model.eval()
+            # a stage's model scores as the eval stage runs it: bf16 autocast on a GPU
+            scoring = torch.autocast("cuda", torch.bfloat16) if stage and device.type == "cuda" else nullcontext()
             row = {"step": step + 1, "tokens": (step + 1) * v.batch * v.seq_len, "loss": float(loss.detach()),
                    "train_s": train_s}
             for n in lengths:
                 at_n = [p for p in prompts if p.length == n]
-                row[f"nll_{n}"] = answer_nll(model, enc, at_n, device)
-                row |= {f"{k}_{n}": s for k, s in scores(model, enc, at_n, device).items()}
+                with scoring:
+                    row[f"nll_{n}"] = answer_nll(model, enc, at_n, device)
+                    row |= {f"{k}_{n}": s for k, s in scores(model, enc, at_n, device).items()}
             model.train()
             rows.append(row)
             print(name, json.dumps(row), flush=True)

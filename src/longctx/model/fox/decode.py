@@ -52,6 +52,7 @@ def _decode_kernel(Q, K, V, LAMQ, LAMK, M, L, ACC, T, CHUNK, sk, slk, scale, GRO
     tl.store(ACC + (h * n_chunks + c) * D + dims, acc, mask=real)
 
 
+@torch.compiler.disable  # traced by torch.compile, the scale reached the kernel as fp64 (a compiled model's decode)
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam_q: torch.Tensor | None = None,
                      lam_k: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
     """Attention of one query per head q [H, D] over all cached keys k, v [T, Hkv, D] (any
