@@ -98,6 +98,9 @@ VARIANTS: dict[str, Variant] = {
     # gpu-64k's base shape and schedule (~100M parameters, 4,096 tokens, 500 x 16) on this data
     "base100m": Variant(steps=500, seq_len=4096, d_model=768, n_layers=12, n_heads=12, ffn_dim=2048, lr=2e-3,
                         lr_min=2e-4, path="stage"),
+    # and with gpu-64k's base-length retrieval documents too (retrieval across the whole window)
+    "base100m_4k": Variant(steps=500, seq_len=4096, d_model=768, n_layers=12, n_heads=12, ffn_dim=2048,
+                           lr=6e-4, lr_min=6e-5, max_chars=13000, path="stage"),
     "base100m_lr6e-4": Variant(steps=500, seq_len=4096, d_model=768, n_layers=12, n_heads=12, ffn_dim=2048,
                                lr=6e-4, lr_min=6e-5, path="stage"),
 }
