@@ -123,3 +123,34 @@ def test_a_step_read_after_the_next_is_queued_still_names_itself(small_project, 
     assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]
     assert not checkpoint.checkpoints(tmp_path / "checkpoints")
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_progress_lines_where_no_terminal_watches(small_project, tmp_path, monkeypatch, capsys):
+    """Through a pipe (the flow's log) a bar shows nothing until it closes: a line per interval
+    instead, with the step, loss, tokens/s and ETA, and a last line with the final count; resumed,
+    the count starts at the checkpoint."""
+    monkeypatch.setenv("LONGCTX_PROGRESS_SECONDS", "0")
+    data = PackedDataset(small_project / "data/packed/stage1/train")
+    cfg = RunParams(steps=4, lr=1e-3, checkpoint_every=2)
+    train(tiny_model(), data, cfg.model_copy(update={"steps": 2}), tmp_path)
+    capsys.readouterr()
+    train(tiny_model(), data, cfg, tmp_path)
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("train: ")]
+    assert [x.split(",")[0] for x in lines] == ["train: 3/4 step (75.0%)", "train: 4/4 step (100.0%)"]
+    losses = read_losses(tmp_path / "metrics.jsonl")
+    assert f"loss={losses[2]:.4f}" in lines[0] and "tokens_per_s=" in lines[0] and "eta " in lines[0]
+    assert "eta" not in lines[-1] and "elapsed " in lines[-1]
+
+
+def test_progress_lines_keep_to_their_interval(monkeypatch, capsys):
+    from longctx import progress
+
+    clock = iter([0.0, 10.0, 29.0, 31.0, 45.0, 55.0, 70.0])
+    monkeypatch.setattr(progress.time, "monotonic", lambda: next(clock))
+    bar = progress.Lines(total=5, desc="rope_search", unit="gen")  # started at 0 s
+    for _ in range(5):  # updates at 10, 29, 31, 45 and 55 s
+        bar.update(1)
+    bar.close()  # at 70 s: 5 is not yet written
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == ["rope_search: 3/5 gen (60.0%), 0.10 gen/s, elapsed 0:31, eta 0:20",
+                     "rope_search: 5/5 gen (100.0%), 0.07 gen/s, elapsed 1:10"]

@@ -12,7 +12,6 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from ..config import EvalParams
 from ..data.loader import PackedDataset
@@ -22,6 +21,7 @@ from ..model.decode import generate
 from ..model.hf import native_config
 from ..model.loss import IGNORE
 from ..model.transformer import Transformer
+from ..progress import progress
 from . import helmet, needle, tasks
 from .report import mean_scores
 
@@ -101,7 +101,7 @@ def run_tasks(answer: Answerer, enc: Encoder, prompts: list[tasks.Prompt], desc:
     """Score every prompt; returns rows and throughput."""
     rows, tokens, start = [], 0, time.perf_counter()
     eos = enc.eos()
-    for p in tqdm(prompts, desc=desc, unit="prompt"):
+    for p in progress(prompts, desc=desc, unit="prompt"):
         ids = enc.prompt(p)
         out = answer(ids, p.max_new_tokens)
         if eos is not None and eos in out:

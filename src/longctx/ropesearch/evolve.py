@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
 from ..errors import DataError
+from ..progress import progress
 from .space import Individual, Space
 
 
@@ -100,7 +100,7 @@ def search(space: Space, fitness: Callable[[Individual], float], settings: Setti
         _record(state, settings)
         state.seconds = spent + time.perf_counter() - start
         _save(state, state_path)
-    bar = tqdm(total=settings.generations, initial=state.generation, desc="rope_search", unit="gen")
+    bar = progress(total=settings.generations, initial=state.generation, desc="rope_search", unit="gen")
     while state.generation < settings.generations and state.stopped is None:
         if settings.max_evaluations is not None and len(state.cache) >= settings.max_evaluations:
             state.stopped = f"max_evaluations {settings.max_evaluations} reached"
@@ -112,8 +112,8 @@ def search(space: Space, fitness: Callable[[Individual], float], settings: Setti
             state.population.sort(key=lambda i: state.cache[i])
             state.generation += 1
             _record(state, settings)
-            bar.update(1)
             bar.set_postfix(best=f"{state.history[-1]['best']:.4f}", evals=len(state.cache))
+            bar.update(1)
         state.seconds = spent + time.perf_counter() - start
         _save(state, state_path)
     bar.close()

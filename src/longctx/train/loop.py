@@ -22,7 +22,6 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from ..config import RunParams
 from ..data.loader import PackedDataset
@@ -34,6 +33,7 @@ from ..model.fox.acp import pruned
 from ..model.loss import IGNORE, shift_labels
 from ..model.transfer import to_device
 from ..model.transformer import Transformer, packed_positions
+from ..progress import progress
 from . import checkpoint
 from .compiled import compile_blocks
 from .optim import adamw, lr_at
@@ -392,12 +392,13 @@ def train(model: Transformer, data: PackedDataset, cfg: RunParams, out: Path, tr
                 fh.write(json.dumps(rec) + "\n")
             if tracker is not None:
                 tracker.metrics({k: v for k, v in rec.items() if k != "step"}, step=f.step + 1)
-        bar.set_postfix(loss=f"{total:.4f}", lr=f"{f.lr:.2e}")
+        if bar is not None:  # counts logged steps: the final count is the last step's
+            bar.set_postfix(loss=f"{total:.4f}", lr=f"{f.lr:.2e}", tokens_per_s=f"{rec['tokens_per_s']:,.0f}")
+            bar.update(1)
         return rec
 
-    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="train", unit="step",
-               disable=not par.main)
-    for step in bar:
+    bar = progress(total=cfg.steps, initial=start, desc="train", unit="step") if par.main else None
+    for step in range(start, cfg.steps):
         timer = _StepTimer(device)
         samples = sample_indices(step, per_step, len(data), cfg.seed)
         costs = [attention_cost(data[i].cu_seqlens) for i in samples]
@@ -423,7 +424,8 @@ def train(model: Transformer, data: PackedDataset, cfg: RunParams, out: Path, tr
             checkpoint.save(ckpt_dir, step + 1, model, opt, {"samples_seen": (step + 1) * per_step},
                             cfg.keep_last, main=par.main)
             par.barrier()
-    bar.close()
+    if bar is not None:
+        bar.close()
     if not last and log_path.is_file():  # resumed a run that had already finished
         last = json.loads(log_path.read_text().splitlines()[-1])
     return last
