@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -77,7 +78,13 @@ def main() -> None:
     print(f"\nlongctx pipeline finished in {time.perf_counter() - start:.0f} s\n")
     print(summary(ws))
     print("\nperplexity at the longest length with validation documents; every length in metrics/eval.json")
-    print(f"open the runs:  mlflow ui --backend-store-uri sqlite:///{ws / 'mlflow.db'}")
+    print(f"open the runs:  {mlflow_ui(ws)}")
+
+
+def mlflow_ui(ws: Path) -> str:
+    """The command that opens the workspace's MLflow store, quoted to paste (a path may hold spaces)."""
+    uri = f"sqlite:///{ws / 'mlflow.db'}"
+    return f"mlflow ui --backend-store-uri {shlex.quote(uri)}"
 
 
 if __name__ == "__main__":

@@ -285,7 +285,7 @@ def queue_and_run(workspace: str, grid: dict[str, list], jobs: int, tracking_uri
     env = {**os.environ, "MLFLOW_TRACKING_URI": tracking_uri, "DVC_NO_ANALYTICS": "1"}
     keys = list(grid)
     for values in itertools.product(*(grid[k] for k in keys)):
-        sets = [a for k, v in zip(keys, values, strict=True) for a in ("-S", f"{k}={json.dumps(v)}")]
+        sets = [a for k, v in zip(keys, values, strict=True) for a in ("-S", f"{_added(k)}={json.dumps(v)}")]
         out = subprocess.run(["dvc", "exp", "run", "--queue", *sets], cwd=ws, env=env, capture_output=True, text=True)
         if out.returncode:
             raise StageFailed(f"dvc exp run --queue {' '.join(sets)} failed:\n{out.stderr[-2000:]}")
@@ -299,6 +299,11 @@ def queue_and_run(workspace: str, grid: dict[str, list], jobs: int, tracking_uri
     shown = json.loads(subprocess.run(["dvc", "exp", "show", "--json"], cwd=ws, env=env, capture_output=True,
                                       text=True, check=True).stdout)
     return _experiments(shown)
+
+
+def _added(key: str) -> str:
+    """DVC's override for a key params.yaml may not list (it holds empty sections): `++key`."""
+    return key if key.startswith(("+", "~")) else f"++{key}"
 
 
 def _experiments(shown: list[dict]) -> list[dict]:

@@ -50,18 +50,30 @@ def main(name: str, run: Callable[[config.Params, Path], None],
             sys.exit(subprocess.run(cmd).returncode)
         run(cfg, Path.cwd())
     except LongctxError as e:  # every rank says it: the launcher may stop the others first
-        print(f"{name}: error{'' if rank0 else ' (rank ' + os.environ['RANK'] + ')'}: {e}", file=sys.stderr)
+        print(f"{name}: error{'' if rank0 else ' (rank ' + os.environ['RANK'] + ')'}: {e}{_under_dvc()}",
+              file=sys.stderr)
         sys.exit(2)
     except OSError as e:  # a disk that filled up, or a folder that stopped taking writes, mid-stage
         if e.errno not in DISK_ERRNOS:
             raise
         where = e.filename or ", ".join(map(str, writes)) or "an output"
-        print(f"{name}: error: {where}: {e.strerror}; outputs from before this run are intact", file=sys.stderr)
+        print(f"{name}: error: {where}: {e.strerror}{_under_dvc() or '; outputs from before this run are intact'}",
+              file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
         if rank0:
-            print(f"{name}: interrupted; no outputs were changed", file=sys.stderr)
+            print(f"{name}: interrupted{_under_dvc() or '; no outputs were changed'}", file=sys.stderr)
         sys.exit(130)
+
+
+def _under_dvc() -> str:
+    """What became of the stage's earlier outputs when DVC ran it: DVC removes a stage's outputs
+    before its command runs (the stage itself never touches them until it succeeds), and its cache
+    still holds them."""
+    stage = os.environ.get("DVC_STAGE")
+    if not stage:
+        return ""
+    return f" (DVC removed this stage's earlier outputs before it ran: `dvc checkout {stage}` restores them)"
 
 
 def write_csv(path: Path, rows: list[dict]) -> None:

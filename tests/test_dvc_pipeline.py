@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 from pathlib import Path
 
 import pytest
 import yaml
 
-from conftest import SMALL, dvc_workspace, sh
+from conftest import REPO, SMALL, dvc_workspace, sh
 
 pytestmark = pytest.mark.slow  # end to end through real DVC, Prefect and MLflow: `pytest -m "not slow"` skips it
 
@@ -105,28 +106,45 @@ def test_dvc_repro_runs_the_stages_and_tracks_them(workspace):
     assert "comparison.md" in {a.path for a in client.list_artifacts(runs["eval"].info.run_id)}
 
 
-def test_pretrain_takes_the_searched_factors(workspace):
+def readme_command(prefix: str) -> list[str]:
+    """The README's command line that starts with `prefix`, as argv: its first command (up to
+    `&&`), its comment dropped."""
+    line = next(x for x in (REPO / "README.md").read_text().splitlines() if x.startswith(prefix))
+    argv = shlex.split(line, comments=True)
+    return argv[:argv.index("&&")] if "&&" in argv else argv
+
+
+def test_the_readme_experiment_takes_the_searched_factors(workspace):
+    """README's `dvc exp run -S ...` as written: the searched factors reach pretraining, the new
+    stage-1 mix reaches pack (every stage after it reads data/packed), the data before it stays."""
     ws, env = workspace
-    params = yaml.safe_load((ws / "params.yaml").read_text())
-    params["train"]["pretrain"]["factors"] = "search"
-    (ws / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    out = sh(["dvc", "repro"], ws, env)
-    assert "Running stage 'pretrain'" in out and "Running stage 'rope_search'" not in out
+    sh(["git", "add", "-A"], ws, env)
+    sh(["git", "commit", "-qm", "finished run"], ws, env)
+    out = sh(readme_command("dvc exp run -S ++train.pretrain.factors=search"), ws, env)
+    ran = set(re.findall(r"Running stage '(\w+)'", out))
+    assert "pretrain" in ran and "pack" in ran and not {"corpora", "tokenize"} & ran, ran
+    params = yaml.safe_load((ws / "params.yaml").read_text())  # the experiment, applied to the workspace
+    assert params["pack"]["splits"]["stage1"]["mix"] == {"books": 0.3, "code_repos": 0.1}
     searched = json.loads((ws / "models/rope_search/factors.json").read_text())
     rope = json.loads((ws / "models/pretrain/stage2/longctx_config.json").read_text())["model"]["rope"]
     assert rope["type"] == "longrope" and rope["long_factor"] == searched["long_factor"]
     assert rope["original_max_position_embeddings"] == 256
     hf = json.loads((ws / "models/sft/hf/config.json").read_text())
     assert (hf.get("rope_scaling") or hf.get("rope_parameters"))["long_factor"] == searched["long_factor"]
-    params["train"]["pretrain"].pop("factors")
-    (ws / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    sh(["git", "checkout", "params.yaml"], ws, env)
     sh(["dvc", "repro"], ws, env)  # back to the base change (from DVC's run cache)
+    # the README's and params.yaml's other examples: DVC takes their overrides (queued, not run)
+    sh(readme_command("dvc exp run --queue -S profile="), ws, env)
+    example = next(x for x in (REPO / "params.yaml").read_text().splitlines() if "dvc exp run -S ++" in x)
+    sh([*shlex.split(example.lstrip("# ")), "--queue"], ws, env)
+    assert sh(["dvc", "queue", "status"], ws, env).count("Queued") == 2
+    sh(["dvc", "queue", "remove", "--all"], ws, env)
 
 
 def test_a_pack_param_reruns_pack_alone(workspace):
     ws, env = workspace
     sh(["git", "add", "-A"], ws, env)
-    sh(["git", "commit", "-qm", "lock"], ws, env)
+    sh(["git", "commit", "-qm", "lock", "--allow-empty"], ws, env)  # (nothing new after the experiment test)
     assert "up to date" in sh(["dvc", "status"], ws, env)
     params = yaml.safe_load((ws / "params.yaml").read_text())
     params["pack"]["seed"] = 3

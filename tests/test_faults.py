@@ -145,6 +145,9 @@ CASES = {
                           r"pack\.splits\.stage1\.seq_len: .*integer"),
     "rope_target_in_window": Case("rope_search", {"rope_search": {"target_length": 256, "original_window": 256}},
                                   r"rope_search\.target_length: 256 must exceed the original window 256"),
+    "typo_key_under_dvc": Case("pack", {"pack": {"seeed": 1}}, r"pack\.seeed: unknown key.*DVC removed this stage's "
+                               r"earlier outputs before it ran: `dvc checkout pack` restores them\)$",
+                               env={"DVC_STAGE": "pack"}),
     "unknown_backend": Case("base", {"model": {"attention_backend": "flashy"}},
                             r"model\.attention_backend: attention backend 'flashy' is unknown"),
     "backend_not_on_this_machine": Case("base", {"model": {"attention_backend": "cudnn"}},

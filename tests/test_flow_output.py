@@ -6,6 +6,7 @@ slot."""
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 
 import pytest
@@ -116,3 +117,10 @@ def test_the_parent_run_gets_the_headline_results():
     assert flows.headline(ev) == {"results/base.tasks_at_512": 0.75, "results/base.tasks_at_2048": 0.0,
                                   "results/base.ppl_at_512": 20.0, "results/base.ppl_at_2048": 90.0}
     assert flows.headline(None) == {} and flows.headline({"skipped": True}) == {}
+
+
+def test_the_closing_mlflow_command_pastes_where_the_path_has_spaces(tmp_path):
+    from pipelines.__main__ import mlflow_ui
+
+    ws = tmp_path / "my runs" / "ws"
+    assert shlex.split(mlflow_ui(ws)) == ["mlflow", "ui", "--backend-store-uri", f"sqlite:///{ws}/mlflow.db"]
