@@ -90,6 +90,12 @@ def _base(vocab: int | None = None, tokenizer: str | None = None, tensors_of: di
     return setup
 
 
+def _base_config_stray_comma(project: Path) -> None:
+    _base()(project)
+    path = project / "models/base/longctx_config.json"
+    path.write_text(path.read_text().replace("{", "{,", 1))
+
+
 def _short_books(project: Path) -> None:
     """Every document of the long domain books cut to one sentence (the corpora stage's output)."""
     path = project / "data/corpora/books.parquet"
@@ -184,6 +190,9 @@ CASES = {
                               setup=_tokenizer(lambda t: (t / "tokenizer.json").write_text('{"model": {"vocab'))),
     "checkpoint_wrong_shapes": Case("pretrain", FROM_BASE, r"models/base: tensor .* has shape \(1024, 48\)",
                                     setup=_base(tensors_of={"d_model": 48})),
+    "checkpoint_config_stray_comma": Case("pretrain", FROM_BASE, r"models/base/longctx_config\.json: the "
+                                          r"checkpoint's config is corrupt: Expecting property name",
+                                          setup=_base_config_stray_comma),
     "checkpoint_truncated": Case("pretrain", FROM_BASE, r"models/base/model\.safetensors: unreadable safetensors",
                                  setup=_base(cut=True)),
     "checkpoint_of_another_tokenizer": Case("pretrain", FROM_BASE,

@@ -158,3 +158,9 @@ def test_bad_checkpoints_name_the_problem(tmp_path):
     (tmp_path / "model.safetensors").unlink()
     with pytest.raises(DataError, match="no model.safetensors"):
         load_hf(tmp_path)
+
+
+def test_a_corrupt_hf_config_is_named(tmp_path):
+    (tmp_path / "config.json").write_text('{"hidden_size": 64,}')
+    with pytest.raises(DataError, match=r"config\.json: the model's config is corrupt: Expecting property name"):
+        load_hf(tmp_path)

@@ -154,3 +154,14 @@ def test_progress_lines_keep_to_their_interval(monkeypatch, capsys):
     lines = capsys.readouterr().err.splitlines()
     assert lines == ["rope_search: 3/5 gen (60.0%), 0.10 gen/s, elapsed 0:31, eta 0:20",
                      "rope_search: 5/5 gen (100.0%), 0.07 gen/s, elapsed 1:10"]
+
+
+def test_a_metrics_line_torn_by_a_kill_does_not_block_the_resume(small_project, tmp_path):
+    data = PackedDataset(small_project / "data/packed/stage1/train")
+    cfg = RunParams(steps=4, lr=1e-3, checkpoint_every=2)
+    train(tiny_model(), data, cfg.model_copy(update={"steps": 2}), tmp_path)
+    log = tmp_path / "metrics.jsonl"
+    with log.open("a") as fh:
+        fh.write('{"step": 3, "loss": 5.1')  # killed mid-write
+    train(tiny_model(), data, cfg, tmp_path)
+    assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [1, 2, 3, 4]

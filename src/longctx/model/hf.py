@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from ..errors import DataError
-from ..io import safetensors_file
+from ..io import read_json, safetensors_file
 from .config import ModelConfig
 from .rope import from_hf, hf_rope_parameters
 from .transformer import Transformer
@@ -126,9 +126,7 @@ def load_state(model: Transformer, weights: dict[str, torch.Tensor], where: str)
 def load_hf(folder: str | Path, dtype: torch.dtype = torch.float32, attention_backend: str = "auto") -> Transformer:
     folder = Path(folder)
     cfg_path = folder / "config.json"
-    if not cfg_path.is_file():
-        raise DataError(f"{cfg_path}: not found")
-    cfg = config_from_hf(json.loads(cfg_path.read_text()), str(cfg_path))
+    cfg = config_from_hf(read_json(cfg_path, "the model's config"), str(cfg_path))
     weights = {k.removeprefix("model."): v.to(dtype) for k, v in _read_weights(folder).items()}
     model = Transformer(cfg, attention_backend).to(dtype)
     load_state(model, weights, str(folder))
@@ -191,7 +189,9 @@ def native_config(folder: str | Path) -> ModelConfig:
     path = Path(folder) / "longctx_config.json"
     if not path.is_file():
         raise DataError(f"{path}: not found (not a longctx checkpoint)")
-    meta = json.loads(path.read_text())
+    meta = read_json(path, "the checkpoint's config")
+    if not isinstance(meta, dict):
+        raise DataError(f"{path}: the checkpoint's config is corrupt: a JSON object expected")
     if meta.get("format_version") != FORMAT_VERSION:
         raise DataError(f"{path}: format_version {meta.get('format_version')!r}, this longctx reads {FORMAT_VERSION}")
     try:

@@ -449,8 +449,17 @@ def mean_loss(model: Transformer, data: PackedDataset, sequences: int, loss_chun
 
 
 def _truncate_log(path: Path, step: int) -> None:
-    """Drop metric lines past the step a run resumes from (they will be logged again)."""
+    """Drop metric lines past the step a run resumes from (they will be logged again), and a line
+    a kill tore mid-write."""
     if not path.is_file():
         return
-    keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+    keep = [line for line in path.read_text().splitlines() if (rec := _record(line)) and rec["step"] <= step]
     path.write_text("".join(line + "\n" for line in keep))
+
+
+def _record(line: str) -> dict | None:
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return rec if isinstance(rec, dict) and isinstance(rec.get("step"), int) else None
