@@ -93,6 +93,19 @@ def test_params_file_errors(tmp_path):
     bad.write_text("- just a list\n")
     with pytest.raises(ConfigError, match="must be a mapping"):
         config.load(bad)
+    # a key given twice: PyYAML would keep the last copy, DVC refuses the file; an anchor's merged
+    # keys may still be overridden
+    bad.write_text("profile: tiny\npack: {seed: 1}\neval: {}\npack: {seed: 2}\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml:4:1: not valid YAML: duplicate key 'pack'"):
+        config.load(bad)
+    bad.write_text("profile: tiny\neval: {samples: 2}\nrope_search: {population: 4}\ntrain: {base: {steps: 3}}\n"
+                   "x: &run {steps: 2, lr: 1.0e-3}\n")
+    with pytest.raises(ConfigError, match=r"x: unknown key"):  # parsed (anchors work), then refused by name
+        config.load(bad)
+    for key in ("tasks", "lengths"):  # nothing to evaluate is a mistake, not a run
+        bad.write_text(f"profile: tiny\neval: {{{key}: []}}\n")
+        with pytest.raises(ConfigError, match=rf"eval\.{key}: List should have at least 1 item"):
+            config.load(bad)
 
 
 def test_config_command_prints_the_params_in_force(tmp_path):

@@ -40,11 +40,27 @@ def merge(base: dict, over: dict) -> dict:
     return out
 
 
+class _UniqueKeys(yaml.SafeLoader):
+    """YAML that refuses a key given twice in one mapping (PyYAML keeps the last copy; DVC refuses
+    the file): the stages and DVC must read the same params."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`, whose keys the mapping may override
+                continue
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def _read_yaml(path: Path, what: str) -> dict:
     if not path.is_file():
         raise ConfigError(f"{path}: {what} not found")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_text(), Loader=_UniqueKeys)  # noqa: S506 (a SafeLoader)
     except yaml.MarkedYAMLError as e:  # one line: file, line and column, what is wrong there
         mark = e.problem_mark
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)

@@ -398,8 +398,8 @@ class EvalParams(Strict):
         "variable_tracking", "common_words", "frequent_words", "passkey", "json_kv", "icl")
     """The known task names, in eval.tasks.BUILDERS' order (it checks so on import): listed here
     because config imports no eval code."""
-    tasks: list[str] = list(TASKS)
-    lengths: list[PositiveInt] = [8192, 16384, 32768, 65536, 131072]
+    tasks: list[str] = Field(default=list(TASKS), min_length=1)
+    lengths: list[PositiveInt] = Field(default=[8192, 16384, 32768, 65536, 131072], min_length=1)
     """Context lengths of the task prompts (tokens)."""
     samples: PositiveInt = 4
     """Prompts per task and length (the single-needle noise task: one per depth)."""
