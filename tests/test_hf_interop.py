@@ -164,3 +164,31 @@ def test_a_corrupt_hf_config_is_named(tmp_path):
     (tmp_path / "config.json").write_text('{"hidden_size": 64,}')
     with pytest.raises(DataError, match=r"config\.json: the model's config is corrupt: Expecting property name"):
         load_hf(tmp_path)
+
+
+def test_an_export_over_an_earlier_one_leaves_nothing_of_it(tmp_path):
+    """A sharded export then a single-file one into the same folder (and the other way round):
+    no stale index or shard for load_hf or transformers to mix in; a user's own files stay."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = ModelConfig(vocab_size=101, d_model=64, n_layers=2, n_heads=4, ffn_dim=96, max_position_embeddings=64)
+    first, second = (Transformer(cfg).eval() for _ in range(2))
+    torch.manual_seed(1)
+    second.reset_parameters()
+    out = tmp_path / "export"
+    out.mkdir()
+    (out / "NOTES.md").write_text("my notes")
+    (out / "runs").mkdir()
+    (out / "runs" / "log.txt").write_text("kept")
+    ids = torch.randint(0, 101, (20,))
+    for a, b, shard_bytes in ((first, second, 50_000), (second, first, None)):
+        save_hf(a, out, **({"shard_bytes": shard_bytes} if shard_bytes else {}))
+        save_hf(b, out, **({} if shard_bytes else {"shard_bytes": 50_000}))
+        with torch.no_grad():
+            want = b(ids)
+            assert torch.equal(load_hf(out).eval()(ids), want)
+            ref = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+            assert (hf_logits(ref, ids) - want).abs().max().item() <= 1e-4
+        sharded = (out / "model.safetensors.index.json").is_file()
+        assert sharded == (shard_bytes is None) and (out / "model.safetensors").is_file() != sharded
+        assert (out / "NOTES.md").read_text() == "my notes" and (out / "runs" / "log.txt").read_text() == "kept"

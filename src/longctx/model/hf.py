@@ -5,14 +5,17 @@ architecture for. Our parameter names are HF Llama's with the `model.` prefix dr
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
 from ..errors import DataError
-from ..io import read_json, safetensors_file
+from ..io import atomic_dir, read_json, safetensors_file
 from .config import ModelConfig
 from .rope import from_hf, hf_rope_parameters
 from .transformer import Transformer
@@ -164,24 +167,54 @@ def _save_weights(model: Transformer, folder: Path, prefix: str, shard_bytes: in
 def save_hf(model: Transformer, folder: str | Path, tokenizer_dir: str | Path | None = None,
             shard_bytes: int = SHARD_BYTES) -> None:
     """An HF directory `AutoModelForCausalLM.from_pretrained` loads (the model's own architecture)."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(config_to_hf(model.cfg), indent=2) + "\n")
-    _save_weights(model, folder, "model.", shard_bytes)
-    if tokenizer_dir is not None:
-        for f in Path(tokenizer_dir).iterdir():
-            if f.is_file() and (f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json",
-                                                                              "chat_template.jinja")):
-                shutil.copy2(f, folder / f.name)
+    def write(out: Path) -> None:
+        (out / "config.json").write_text(json.dumps(config_to_hf(model.cfg), indent=2) + "\n")
+        _save_weights(model, out, "model.", shard_bytes)
+        if tokenizer_dir is not None:
+            for f in Path(tokenizer_dir).iterdir():
+                if f.is_file() and (f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json",
+                                                                                  "chat_template.jinja")):
+                    shutil.copy2(f, out / f.name)
+
+    _swap_in(Path(folder), write)
 
 
 def save_native(model: Transformer, folder: str | Path, shard_bytes: int = SHARD_BYTES) -> None:
     """Our format (any model, FoX included): safetensors + longctx_config.json."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    meta = {"format_version": FORMAT_VERSION, "model": model.cfg.model_dump(mode="json")}
-    (folder / "longctx_config.json").write_text(json.dumps(meta, indent=2) + "\n")
-    _save_weights(model, folder, "", shard_bytes)
+    def write(out: Path) -> None:
+        meta = {"format_version": FORMAT_VERSION, "model": model.cfg.model_dump(mode="json")}
+        (out / "longctx_config.json").write_text(json.dumps(meta, indent=2) + "\n")
+        _save_weights(model, out, "", shard_bytes)
+
+    _swap_in(Path(folder), write)
+
+
+EXPORTED = re.compile(r"(longctx_config|config|generation_config|special_tokens_map)\.json|tokenizer.*|"
+                      r"chat_template\.jinja|model(-\d+-of-\d+)?\.safetensors|model\.safetensors\.index\.json")
+"""What an export (ours or HF's) consists of: what an earlier export in the folder leaves behind."""
+
+
+def _swap_in(folder: Path, write: Callable[[Path], None]) -> None:
+    """Write an export into a fresh folder and swap it in whole, so nothing of an earlier export
+    there (a stale index, shards, a single-file model) mixes with it; whatever else the folder
+    held (a user's notes, subfolders) comes along, hard-linked (nothing is lost if this fails)."""
+    with atomic_dir(folder) as out:
+        write(out)
+        if folder.is_dir():
+            for f in folder.iterdir():
+                if EXPORTED.fullmatch(f.name) or (out / f.name).exists():
+                    continue
+                if f.is_dir():
+                    shutil.copytree(f, out / f.name, symlinks=True, copy_function=_link)
+                else:
+                    _link(f, out / f.name)
+
+
+def _link(src: str | Path, dst: str | Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:  # a file system without hard links
+        shutil.copy2(src, dst)
 
 
 def native_config(folder: str | Path) -> ModelConfig:

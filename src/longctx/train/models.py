@@ -5,6 +5,7 @@ or LongRoPE factors) for long-context training."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Literal
 
@@ -119,3 +120,5 @@ def save_model(model: Transformer, folder: Path, tokenizer_dir: Path | None) -> 
     save_native(model, folder)
     if model.cfg.fox is None and model.cfg.rope is not None:
         save_hf(model, folder / "hf", tokenizer_dir)
+    elif (folder / "hf").is_dir():  # an earlier model's export, which this one has no counterpart of
+        shutil.rmtree(folder / "hf")
