@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 from longctx import config
-from longctx.errors import ConfigError, LongctxError
+from longctx.errors import ConfigError, LongctxError, Terminated
 from longctx.io import DISK_ERRNOS, check_room
 
 DATA = Path("data")
@@ -35,6 +36,7 @@ def main(name: str, run: Callable[[config.Params, Path], None],
     parser.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
     args = parser.parse_args()
     rank0 = os.environ.get("RANK", "0") == "0"
+    signal.signal(signal.SIGTERM, _terminate)
     try:
         cfg = config.load(args.params)
         launcher = "RANK" not in os.environ  # (torchrun's ranks were checked by it)
@@ -60,10 +62,17 @@ def main(name: str, run: Callable[[config.Params, Path], None],
         print(f"{name}: error: {where}: {e.strerror}{_under_dvc() or '; outputs from before this run are intact'}",
               file=sys.stderr)
         sys.exit(2)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (Terminated): a training stage resumes where it stopped
         if rank0:
-            print(f"{name}: interrupted{_under_dvc() or '; no outputs were changed'}", file=sys.stderr)
-        sys.exit(130)
+            what = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
+            again = "goes on from its last checkpoint" if trains else "runs it again"
+            print(f"{name}: {what}{_under_dvc() or '; no outputs were changed'}; `dvc repro {name}` {again}",
+                  file=sys.stderr)
+        sys.exit(143 if isinstance(e, Terminated) else 130)
+
+
+def _terminate(signum, frame) -> None:
+    raise Terminated()
 
 
 def _under_dvc() -> str:

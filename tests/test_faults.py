@@ -436,6 +436,41 @@ def test_training_stages_killed_three_times_each_resume_bitwise(small_project, t
     assert (killed / weights).read_bytes() == (straight / weights).read_bytes()
 
 
+def test_sigterm_stops_a_training_stage_cleanly_and_it_resumes(project_copy):
+    """SIGTERM (a scheduler's stop) mid-training: exit 143 within seconds, one line saying so and
+    how to go on, the MLflow run KILLED (not RUNNING forever); the rerun finishes from the
+    checkpoint."""
+    from mlflow.tracking import MlflowClient
+
+    params = merge(RESUMABLE, {"train": {"base": {"steps": 400, "checkpoint_every": 2}},
+                               "tracking": {"uri": f"sqlite:///{project_copy / 'mlflow.db'}"}})
+    write_params(project_copy, params)
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}  # (set by in-process runs)
+    env |= {"PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)]), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "stages.base"], cwd=project_copy, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.time() + 300
+    while _steps_logged(project_copy, "base") < 3 and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, "the stage ended before it was stopped"
+    proc.send_signal(signal.SIGTERM)
+    stopped = time.time()
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143 and time.time() - stopped < 10
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1] == ("base: terminated (SIGTERM); no outputs were changed; "
+                                            "`dvc repro base` goes on from its last checkpoint")
+    assert not (project_copy / "models" / "base").exists()
+    client = MlflowClient(tracking_uri=params["tracking"]["uri"])
+    runs = client.search_runs([client.get_experiment_by_name("longctx").experiment_id],
+                              filter_string="attributes.run_name = 'base'")
+    assert [r.info.status for r in runs] == ["KILLED"]
+    write_params(project_copy, merge(params, {"train": {"base": {"steps": 6}}}))
+    done = stage_process(project_copy, "base", None)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (project_copy / "models" / "base" / "model.safetensors").is_file()
+
+
 LOSES_ITS_SERVER = """
 import os, signal, sys, time
 from pathlib import Path

@@ -11,3 +11,8 @@ class ConfigError(LongctxError):
 
 class DataError(LongctxError):
     """An input file is missing, corrupt, or cannot yield what the stage needs."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler's or `kill`'s stop), raised where the process is: it unwinds like
+    Ctrl-C, so every cleanup a stage has for an interrupt runs, and runs end KILLED."""

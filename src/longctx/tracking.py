@@ -165,9 +165,13 @@ def _lost_server(error: Exception) -> bool:
 
 @contextlib.contextmanager
 def _ending(tracker: Tracker) -> Iterator[Tracker]:
-    """The tracker's active run ends FINISHED, or FAILED if the body raises."""
+    """The tracker's active run ends FINISHED, KILLED if the body is interrupted (Ctrl-C,
+    SIGTERM), or FAILED if it raises."""
     try:
         yield tracker
+    except KeyboardInterrupt:
+        tracker.end("KILLED")
+        raise
     except BaseException:
         tracker.end("FAILED")
         raise
