@@ -96,6 +96,15 @@ def _base_config_stray_comma(project: Path) -> None:
     path.write_text(path.read_text().replace("{", "{,", 1))
 
 
+def _tokens_rewritten(fill: str) -> Callable[[Path], None]:
+    """The base split's tokens.bin rewritten in place at its size: zeros, or random token ids."""
+    def setup(project: Path) -> None:
+        path = project / "data/packed/base/train/tokens.bin"
+        size = path.stat().st_size
+        path.write_bytes(bytes(size) if fill == "zeros" else random.Random(7).randbytes(size))
+    return setup
+
+
 def _short_books(project: Path) -> None:
     """Every document of the long domain books cut to one sentence (the corpora stage's output)."""
     path = project / "data/corpora/books.parquet"
@@ -190,6 +199,10 @@ CASES = {
                               setup=_tokenizer(lambda t: (t / "tokenizer.json").write_text('{"model": {"vocab'))),
     "checkpoint_wrong_shapes": Case("pretrain", FROM_BASE, r"models/base: tensor .* has shape \(1024, 48\)",
                                     setup=_base(tensors_of={"d_model": 48})),
+    "packed_tokens_zeroed": Case("base", {}, r"data/packed/base/train/tokens\.bin: its contents are not what the "
+                                 r"pack stage wrote", setup=_tokens_rewritten("zeros")),
+    "packed_tokens_random": Case("base", {}, r"data/packed/base/train/tokens\.bin: its contents are not what the "
+                                 r"pack stage wrote", setup=_tokens_rewritten("random")),
     "checkpoint_config_stray_comma": Case("pretrain", FROM_BASE, r"models/base/longctx_config\.json: the "
                                           r"checkpoint's config is corrupt: Expecting property name",
                                           setup=_base_config_stray_comma),

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import DataError
-from ..io import read_json
+from ..io import read_json, sampled_digest
 from .pack import SEG_DTYPE
 
 
@@ -57,6 +57,10 @@ class PackedDataset:
         path = self.folder / name
         if not path.is_file() or path.stat().st_size != size:
             raise DataError(f"{path}: missing or truncated (expected {size} bytes); rerun the pack stage")
+        recorded = self.index.get("digests", {}).get(name)  # (data packed before digests were recorded: none)
+        if recorded is not None and sampled_digest(path) != recorded:
+            raise DataError(f"{path}: its contents are not what the pack stage wrote (sampled checksum); "
+                            "rerun the pack stage (`dvc repro pack`)")
         return path
 
     def _map(self, name: str, dtype, shape: tuple[int, ...]) -> np.ndarray:

@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from ..config import Params
 from ..errors import DataError
-from ..io import write_json
+from ..io import sampled_digest, write_json
 from .shards import ShardReader
 
 SEG_DTYPE = np.dtype([("doc", "<u8"), ("start", "<u8"), ("length", "<u4"), ("domain", "<u2")])
@@ -358,6 +358,7 @@ def pack_all(cfg: Params, tokens_dir: Path, out: Path, token_index: dict) -> dic
                     "fingerprint": token_index["fingerprint"], "domains": domains,
                     "kinds": {d: cfg.corpora.domains[d].kind for d in domains},
                     "loss_mask": any(cfg.corpora.domains[d].kind == "sft" for d in requested),
+                    "digests": {f.name: sampled_digest(f) for f in sorted((out / split / part).glob("*.bin"))},
                 }
                 write_json(out / split / part / "index.json", index)
                 written += total
