@@ -48,7 +48,7 @@ def tracking_uri(cfg: TrackingParams, root: Path) -> str:
     A server that does not answer is an error naming it (ConfigError), or, with
     tracking.unreachable: local, the local store, said on stderr."""
     root = workspace_root(root)
-    local = f"sqlite:///{(root / 'mlflow.db').resolve()}"
+    local = _local_store(root)
     uri = os.environ.get("MLFLOW_TRACKING_URI") or cfg.uri or local
     if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
         uri = "sqlite:///" + str((root / uri.removeprefix("sqlite:///")).resolve())
@@ -206,12 +206,33 @@ def experiment_id(cfg: TrackingParams, root: Path) -> str:
     the workspace's mlartifacts/, marked as model training (EXPERIMENT_KIND)."""
     import mlflow
 
-    mlflow.set_tracking_uri(tracking_uri(cfg, root))
+    uri = tracking_uri(cfg, root)
+    mlflow.set_tracking_uri(uri)
+    store = (workspace_root(root) / "mlartifacts").resolve().as_uri()
     exp = mlflow.get_experiment_by_name(cfg.experiment)
     if exp is not None:
+        moved = exp.artifact_location != store and exp.artifact_location.endswith("/mlartifacts")
+        if moved and uri == _local_store(root):
+            _move_artifacts_location(uri, exp.experiment_id, exp.artifact_location, store)
         return exp.experiment_id
-    store = workspace_root(root) / "mlartifacts"
-    return mlflow.create_experiment(cfg.experiment, artifact_location=store.resolve().as_uri(), tags=EXPERIMENT_KIND)
+    return mlflow.create_experiment(cfg.experiment, artifact_location=store, tags=EXPERIMENT_KIND)
+
+
+def _local_store(root: Path) -> str:
+    return f"sqlite:///{(workspace_root(root) / 'mlflow.db').resolve()}"
+
+
+def _move_artifacts_location(uri: str, experiment: str, old: str, new: str) -> None:
+    """A workspace moved or copied with its store: the experiment's artifacts (and every run's)
+    point at the old workspace's mlartifacts/, where new runs would recreate it (or fail). MLflow
+    has no call to change an experiment's artifact location, so the workspace's own SQLite store
+    is updated, runs' URIs with it (their files moved along with mlartifacts/)."""
+    import sqlite3
+
+    with contextlib.closing(sqlite3.connect(uri.removeprefix("sqlite:///"))) as db, db:
+        db.execute("UPDATE experiments SET artifact_location = ? WHERE experiment_id = ?", (new, int(experiment)))
+        db.execute("UPDATE runs SET artifact_uri = ? || substr(artifact_uri, ?) WHERE experiment_id = ? AND "
+                   "substr(artifact_uri, 1, ?) = ?", (new, len(old) + 1, int(experiment), len(old), old))
 
 
 @contextlib.contextmanager
