@@ -199,6 +199,9 @@ CASES = {
                               setup=_tokenizer(lambda t: (t / "tokenizer.json").write_text('{"model": {"vocab'))),
     "checkpoint_wrong_shapes": Case("pretrain", FROM_BASE, r"models/base: tensor .* has shape \(1024, 48\)",
                                     setup=_base(tensors_of={"d_model": 48})),
+    "corrupt_mlflow_store": Case("pack", {}, r"mlflow\.db: not an MLflow store \(file is not a database\); move it "
+                                 r"aside .* or set tracking\.enabled: false",
+                                 setup=_write("mlflow.db", "not sqlite " * 200), env={"MLFLOW_TRACKING_URI": ""}),
     "packed_tokens_zeroed": Case("base", {}, r"data/packed/base/train/tokens\.bin: its contents are not what the "
                                  r"pack stage wrote", setup=_tokens_rewritten("zeros")),
     "packed_tokens_random": Case("base", {}, r"data/packed/base/train/tokens\.bin: its contents are not what the "

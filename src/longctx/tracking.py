@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .config import TrackingParams
-from .errors import ConfigError
+from .errors import ConfigError, DataError
 
 MAX_PARAM_CHARS = 6000
 PARENT_ENV = "LONGCTX_MLFLOW_PARENT_RUN"
@@ -209,7 +209,13 @@ def experiment_id(cfg: TrackingParams, root: Path) -> str:
     uri = tracking_uri(cfg, root)
     mlflow.set_tracking_uri(uri)
     store = (workspace_root(root) / "mlartifacts").resolve().as_uri()
-    exp = mlflow.get_experiment_by_name(cfg.experiment)
+    try:
+        exp = mlflow.get_experiment_by_name(cfg.experiment)
+    except Exception as e:  # a corrupt SQLite file: MLflow's own error is a page of SQLAlchemy traceback
+        if uri.startswith("sqlite:///") and "not a database" in str(e):
+            raise DataError(f"{uri.removeprefix('sqlite:///')}: not an MLflow store (file is not a database); "
+                            "move it aside (a new one is made) or set tracking.enabled: false") from None
+        raise
     if exp is not None:
         moved = exp.artifact_location != store and exp.artifact_location.endswith("/mlartifacts")
         if moved and uri == _local_store(root):
