@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+from longctx.config import load
+from longctx.errors import LongctxError
 from longctx.eval.report import BEYOND, beyond, length_means
 
 # without a Prefect server, the flow starts a temporary one; a loaded 2-core machine needs longer
@@ -18,7 +20,7 @@ os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DVC_NO_ANALYTICS", "1")
 
-from .flows import StageFailed, pipeline  # noqa: E402
+from .flows import StageFailed, pipeline, workspace_lock  # noqa: E402
 
 
 def summary(ws: Path) -> str:
@@ -70,6 +72,13 @@ def summary(ws: Path) -> str:
 def main() -> None:
     ws = Path(sys.argv[1] if len(sys.argv) > 1 else ".").resolve()
     start = time.perf_counter()
+    try:  # bad params, or another run in this workspace: one line, before Prefect starts
+        load(ws / "params.yaml")
+        with workspace_lock(ws):
+            pass
+    except LongctxError as e:
+        print(f"longctx pipeline: {e}", file=sys.stderr)
+        sys.exit(2)
     try:
         pipeline(str(ws))
     except StageFailed as e:  # the stage's own error and how to rerun; Prefect's log has the rest

@@ -31,6 +31,7 @@ from prefect.exceptions import ObjectNotFound
 from prefect.runtime import flow_run
 
 from longctx.config import load
+from longctx.errors import LongctxError
 from longctx.eval.report import length_means, score_rows
 from longctx.tracking import PARENT_ENV, end_run, open_run, tag_children, tracking_uri
 
@@ -66,6 +67,10 @@ RERUN = ("fix that, then rerun the pipeline (the stages that finished are kept a
          "alone: dvc repro {}")
 
 
+class WorkspaceBusy(LongctxError):
+    """Another pipeline run holds the workspace."""
+
+
 @contextmanager
 def workspace_lock(workspace: Path):
     """One pipeline run per workspace at a time: a second one is refused, not queued."""
@@ -76,7 +81,7 @@ def workspace_lock(workspace: Path):
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             fh.seek(0)
-            raise RuntimeError(f"{workspace}: another longctx pipeline run holds this workspace "
+            raise WorkspaceBusy(f"{workspace}: another longctx pipeline run holds this workspace "
                                f"({fh.read().strip() or 'unknown run'}); wait for it or use another clone") from None
         fh.seek(0)
         fh.truncate()

@@ -409,6 +409,31 @@ def test_the_main_command_names_the_failing_stage_and_how_to_rerun(tmp_path):
     assert not (ws / "data" / "corpora").exists()
 
 
+def test_the_main_command_refuses_bad_params_and_a_busy_workspace_in_one_line(tmp_path):
+    """Before Prefect starts: a params error, or another pipeline run holding the workspace, is one
+    line and exit 2 (not the message inside two tracebacks)."""
+    import fcntl
+
+    ws = tmp_path / "ws"
+    env = dvc_workspace(ws, merge(SMALL, {"pack": {"seeed": 1}}))
+    main = [sys.executable, "-m", "pipelines", str(ws)]
+    done = subprocess.run(main, cwd=ws, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert re.fullmatch(r"longctx pipeline: .*params\.yaml: pack\.seeed: unknown key.*", done.stderr.strip())
+    write_params(ws, SMALL)
+    lock = ws / ".dvc/tmp/longctx-pipeline.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with lock.open("a+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        fh.write("flow run busy-bee (pid 1)\n")
+        fh.flush()
+        done = subprocess.run(main, cwd=ws, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip() == (f"longctx pipeline: {ws}: another longctx pipeline run holds this workspace "
+                                   "(flow run busy-bee (pid 1)); wait for it or use another clone")
+    assert not (ws / "data").exists()
+
+
 RESUMABLE = merge(SMALL, {"train": {
     "base": {"steps": 10, "checkpoint_every": 2},
     "pretrain": {"stages": [{**s, "steps": 6, "checkpoint_every": 2} for s in SMALL["train"]["pretrain"]["stages"]]},

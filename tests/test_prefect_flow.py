@@ -14,7 +14,7 @@ from mlflow.tracking import MlflowClient
 from prefect.testing.utilities import prefect_test_harness
 
 from conftest import SMALL, dvc_workspace, sh
-from pipelines.flows import GPU_LIMIT, STAGES, StageFailed, ensure_gpu_limit, pipeline, sweep
+from pipelines.flows import GPU_LIMIT, STAGES, StageFailed, WorkspaceBusy, ensure_gpu_limit, pipeline, sweep
 
 pytestmark = pytest.mark.slow  # end to end through real DVC, Prefect and MLflow: `pytest -m "not slow"` skips it
 
@@ -43,7 +43,7 @@ def test_failure_then_resume_and_mlflow_parent_runs(tmp_path, monkeypatch, harne
     lock.parent.mkdir(parents=True, exist_ok=True)
     with lock.open("a+") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
-        with pytest.raises(RuntimeError, match="another longctx pipeline run holds this workspace"):
+        with pytest.raises(WorkspaceBusy, match="another longctx pipeline run holds this workspace"):
             pipeline(str(ws))
         fcntl.flock(fh, fcntl.LOCK_UN)
     assert not (ws / "data").exists()
