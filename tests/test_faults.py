@@ -158,6 +158,9 @@ CASES = {
                         r"pack\.splits\.stage1\.seq_len: .*greater than 0"),
     "string_length": Case("pack", {"pack": {"splits": {"stage1": {"seq_len": "long"}}}},
                           r"pack\.splits\.stage1\.seq_len: .*integer"),
+    "base_split_past_the_window": Case("pack", {"pack": {"splits": {"base": {"seq_len": 262144}}}},
+                                       r"pack\.splits\.base\.seq_len: 262144 is beyond the base model's window "
+                                       r"\(model\.max_position_embeddings 256\)"),
     "rope_target_in_window": Case("rope_search", {"rope_search": {"target_length": 256, "original_window": 256}},
                                   r"rope_search\.target_length: 256 must exceed the original window 256"),
     "typo_key_under_dvc": Case("pack", {"pack": {"seeed": 1}}, r"pack\.seeed: unknown key.*DVC removed this stage's "
