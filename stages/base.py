@@ -4,6 +4,9 @@ pretrained checkpoint instead."""
 
 from __future__ import annotations
 
+if not __package__:  # `python stages/base.py`: stages/ leads sys.path, its tokenize.py shadows Python's
+    raise SystemExit("run it as `python -m stages.base` from the project root (or `dvc repro base`)")
+
 from pathlib import Path
 
 from longctx.config import Params

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+if not __package__:  # `python stages/corpora.py`: stages/ leads sys.path, its tokenize.py shadows Python's
+    raise SystemExit("run it as `python -m stages.corpora` from the project root (or `dvc repro corpora`)")
+
 import time
 from pathlib import Path
 

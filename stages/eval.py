@@ -4,6 +4,9 @@ against context length, needle perplexity, and short-context retention."""
 
 from __future__ import annotations
 
+if not __package__:  # `python stages/eval.py`: stages/ leads sys.path, its tokenize.py shadows Python's
+    raise SystemExit("run it as `python -m stages.eval` from the project root (or `dvc repro eval`)")
+
 import json
 from pathlib import Path
 

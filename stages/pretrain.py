@@ -4,6 +4,9 @@ or LongRoPE factors (documents inside the original window keep the original RoPE
 
 from __future__ import annotations
 
+if not __package__:  # `python stages/pretrain.py`: stages/ leads sys.path, its tokenize.py shadows Python's
+    raise SystemExit("run it as `python -m stages.pretrain` from the project root (or `dvc repro pretrain`)")
+
 import contextlib
 from pathlib import Path
 

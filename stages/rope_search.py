@@ -4,6 +4,9 @@ ProLong's base change) measured on the same metric and the same sequences."""
 
 from __future__ import annotations
 
+if not __package__:  # `python stages/rope_search.py`: stages/ leads sys.path, its tokenize.py shadows Python's
+    raise SystemExit("run it as `python -m stages.rope_search` from the project root (or `dvc repro rope_search`)")
+
 import hashlib
 import json
 from pathlib import Path

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+if not __package__:  # `python stages/sft.py`: stages/ leads sys.path, its tokenize.py shadows Python's
+    raise SystemExit("run it as `python -m stages.sft` from the project root (or `dvc repro sft`)")
+
 from pathlib import Path
 
 from longctx.config import Params

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+if not __package__:  # `python stages/tokenize.py`: stages/ leads sys.path, its tokenize.py shadows Python's
+    raise SystemExit("run it as `python -m stages.tokenize` from the project root (or `dvc repro tokenize`)")
+
 from pathlib import Path
 
 from longctx.config import Params, flat

@@ -437,6 +437,15 @@ def test_the_main_command_refuses_bad_params_and_a_busy_workspace_in_one_line(tm
     assert not (ws / "data").exists()
 
 
+@pytest.mark.parametrize("stage", ["eval", "tokenize"])
+def test_a_stage_run_as_a_script_says_how_to_run_it(stage):
+    """`python stages/eval.py` puts stages/ first on sys.path, where tokenize.py shadows Python's
+    own (a circular-import traceback): one line naming the command instead."""
+    done = subprocess.run([sys.executable, f"stages/{stage}.py"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert done.stderr.strip() == f"run it as `python -m stages.{stage}` from the project root (or `dvc repro {stage}`)"
+
+
 RESUMABLE = merge(SMALL, {"train": {
     "base": {"steps": 10, "checkpoint_every": 2},
     "pretrain": {"stages": [{**s, "steps": 6, "checkpoint_every": 2} for s in SMALL["train"]["pretrain"]["stages"]]},
