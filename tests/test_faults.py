@@ -408,7 +408,7 @@ def test_the_main_command_names_the_failing_stage_and_how_to_rerun(tmp_path):
     assert "Traceback" not in done.stdout + done.stderr
     tail = done.stderr[done.stderr.index("longctx pipeline: "):]
     assert re.search(r"longctx pipeline: stage corpora failed .*\ncorpora: error: no-books: source path does not "
-                     r"exist\n(.*\n)*fix that, then rerun the pipeline .* dvc repro corpora", tail), tail
+                     r"exist.*\n(.*\n)*fix that, then rerun the pipeline .* dvc repro corpora", tail), tail
     assert not (ws / "data" / "corpora").exists()
 
 
@@ -500,6 +500,7 @@ def test_sigterm_stops_a_training_stage_cleanly_and_it_resumes(project_copy):
     write_params(project_copy, params)
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}  # (set by in-process runs)
     env |= {"PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)]), "OMP_NUM_THREADS": "1"}
+    begun = time.time() * 1000  # (the copied store holds other tests' runs)
     proc = subprocess.Popen([sys.executable, "-m", "stages.base"], cwd=project_copy, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.time() + 300
@@ -509,7 +510,7 @@ def test_sigterm_stops_a_training_stage_cleanly_and_it_resumes(project_copy):
     proc.send_signal(signal.SIGTERM)
     stopped = time.time()
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 143 and time.time() - stopped < 10
+    assert proc.returncode == 143 and time.time() - stopped < 30  # ~1 s on a quiet machine
     assert "Traceback" not in err
     assert err.strip().splitlines()[-1] == ("base: terminated (SIGTERM); no outputs were changed; "
                                             "`dvc repro base` goes on from its last checkpoint")
@@ -517,7 +518,7 @@ def test_sigterm_stops_a_training_stage_cleanly_and_it_resumes(project_copy):
     client = MlflowClient(tracking_uri=params["tracking"]["uri"])
     runs = client.search_runs([client.get_experiment_by_name("longctx").experiment_id],
                               filter_string="attributes.run_name = 'base'")
-    assert [r.info.status for r in runs] == ["KILLED"]
+    assert [r.info.status for r in runs if r.info.start_time >= begun] == ["KILLED"]
     write_params(project_copy, merge(params, {"train": {"base": {"steps": 6}}}))
     done = stage_process(project_copy, "base", None)
     assert done.returncode == 0, done.stderr[-2000:]
