@@ -2,7 +2,7 @@
 # On a one-GPU CUDA machine without internet: the CUDA tests, then benchmarks (carry .whl:
 # pydantic; fla-core for the attention bench's peer). Logs and JSON go to $OUT (or bench/results).
 #   bash bench/gpu_run.sh [tests] [train_throughput] [model_step] [attention] [gates] [positions] [decode]
-#                         [fox_training] [fox_kernel]   (default: all)
+#                         [fox_training] [fox_kernel] [decode_tests] [tiny_retrieval]   (default: all but the last two)
 # gates: a FoX (Pro) 125M trained 300 steps on data/packed/stage2 (carry it: the tiny profile's pack
 # stage makes it), its gates sampled for tests/test_fox_kernel.py, then attention.py with its forget gates
 # at 16K and 64K. positions: bench/positions.py on the same split. fox_training / fox_kernel: the two
@@ -41,6 +41,10 @@ for part in $parts; do
                    --anomaly --out "$out/anomaly" --work bench/work/anomaly 2>&1 | tail -60 | tee "$out/positions-anomaly.log"
                fi
                : ;;  # (the loop below takes this part's status from here)
+    decode_tests) timeout 240 python3 -m pytest -q -p no:cacheprovider -n 4 tests/test_decode.py 2>&1 \
+             | tee "$out/gpu_decode_tests.log" ;;
+    tiny_retrieval) python3 bench/tiny_retrieval.py --tokens data/tokens --lengths 512 4096 --evals 3 --parallel 2 \
+             --variants ${RETRIEVAL_VARIANTS:-base100m_4k base100m_4k_b8} --out "$out" 2>&1 | tee "$out/tiny_retrieval.log" ;;
     *) python3 "bench/$part.py" --out "$out" 2>&1 | tee "$out/$part.log" ;;
   esac
   status=$(( status || PIPESTATUS[0] ))

@@ -70,6 +70,9 @@ class Variant:
     whole: bool = True
     """Documents never cut across sequences (the pack stage's kind `whole`); False: cut with
     carry-over (kind `short`)."""
+    short_first: float = 0.0
+    """Share of the steps trained first on short documents alone (min_chars to SHORT_CHARS), the
+    rest on the whole [min_chars, max_chars]: a curriculum, retrieval learned near then far."""
     seed: int = 0
     path: str = "fp32"
     """"fp32": the CPU's math (sdpa, fp32, eager AdamW) on any device; "stage": what a training
@@ -80,6 +83,8 @@ class Variant:
     compile: bool = True
     """path "stage": compiled blocks on a GPU (RunParams.compile)."""
 
+
+SHORT_CHARS = 1200
 
 VARIANTS: dict[str, Variant] = {
     "tiny": Variant(),
@@ -101,6 +106,14 @@ VARIANTS: dict[str, Variant] = {
     # and with gpu-64k's base-length retrieval documents too (retrieval across the whole window)
     "base100m_4k": Variant(steps=500, seq_len=4096, d_model=768, n_layers=12, n_heads=12, ffn_dim=2048,
                            lr=6e-4, lr_min=6e-5, max_chars=13000, path="stage"),
+    # the same tokens in twice the updates (8 x 4,096 a step)
+    "base100m_4k_b8": Variant(steps=1000, batch=8, seq_len=4096, d_model=768, n_layers=12, n_heads=12, ffn_dim=2048,
+                              lr=6e-4, lr_min=6e-5, max_chars=13000, path="stage"),
+    # 52M tokens, or the first half on short documents alone
+    "base100m_4k_800": Variant(steps=800, seq_len=4096, d_model=768, n_layers=12, n_heads=12, ffn_dim=2048,
+                               lr=6e-4, lr_min=6e-5, max_chars=13000, path="stage"),
+    "base100m_4k_cur": Variant(steps=500, seq_len=4096, d_model=768, n_layers=12, n_heads=12, ffn_dim=2048,
+                               lr=6e-4, lr_min=6e-5, max_chars=13000, short_first=0.5, path="stage"),
     "base100m_lr6e-4": Variant(steps=500, seq_len=4096, d_model=768, n_layers=12, n_heads=12, ffn_dim=2048,
                                lr=6e-4, lr_min=6e-5, path="stage"),
 }
@@ -189,9 +202,16 @@ def scores(model, enc: Encoder, prompts: list[tasks.Prompt], device: torch.devic
 def run(name: str, v: Variant, tok: TextTokenizer, readers: list[ShardReader], device: torch.device,
         evals: int, lengths: list[int], per_task: int) -> dict:
     """Train one variant, scoring `evals` times along the way; its rows."""
-    n_syn = round(v.steps * v.batch * v.share)
-    data = synthetic_sequences(tok, v, n_syn) + text_sequences(readers, v.seq_len, v.steps * v.batch - n_syn)
-    data = Packed([data[i] for i in np.random.default_rng(v.seed).permutation(len(data))])
+    rng = np.random.default_rng(v.seed)
+    first = round(v.steps * v.short_first) * v.batch
+    data = []
+    for n, part in ((first, dataclasses.replace(v, max_chars=SHORT_CHARS)), (v.steps * v.batch - first, v)):
+        if n == 0:
+            continue
+        n_syn = round(n * v.share)
+        seqs = synthetic_sequences(tok, part, n_syn) + text_sequences(readers, v.seq_len, n - n_syn)
+        data += [seqs[i] for i in rng.permutation(len(seqs))]
+    data = Packed(data)
     cfg = ModelConfig(vocab_size=tok.vocab_size, d_model=v.d_model, n_layers=v.n_layers, n_heads=v.n_heads,
                       ffn_dim=v.ffn_dim, max_position_embeddings=v.seq_len, rope=RopeConfig(theta=v.theta))
     if v.path not in ("fp32", "stage"):

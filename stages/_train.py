@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from longctx.config import Params, RunParams, StageParams, flat
-from longctx.data.loader import PackedDataset
+from longctx.data.loader import Curriculum, PackedDataset
 from longctx.errors import DataError
 from longctx.io import atomic_dir, check_room, clear_stale, read_json, write_json
 from longctx.model.transformer import Transformer
@@ -58,7 +58,7 @@ def fingerprint(folder: Path) -> str:
 
 def run_folder(name: str, stage: StageParams, model: Transformer, init: str) -> Path:
     """A run resumes only into the folder of the same params, model, starting weights and data."""
-    data = fingerprint(PACKED / stage.split / "train")
+    data = [fingerprint(PACKED / split / "train") for split in [*(p.split for p in stage.curriculum), stage.split]]
     key = json.dumps([stage.model_dump(mode="json"), model.cfg.model_dump(mode="json"), init, data], sort_keys=True)
     return RUNS / name / hashlib.sha256(key.encode()).hexdigest()[:12]
 
@@ -80,6 +80,9 @@ def fit(name: str, stage: StageParams, model: Transformer, init: str, tracker, p
     curve to `plot` (CSV, a DVC plot); return the trained model, whole on every rank, and its
     summary."""
     train_data, val_data = (PackedDataset(PACKED / stage.split / part) for part in ("train", "val"))
+    if stage.curriculum:
+        first = [(PackedDataset(PACKED / p.split / "train"), p.steps) for p in stage.curriculum]
+        train_data = Curriculum([*first, (train_data, stage.steps)])
     folder = run_folder(name, stage, model, init)
     if par.main:
         weights = sum(p.numel() * p.element_size() for p in model.parameters())

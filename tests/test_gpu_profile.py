@@ -28,8 +28,11 @@ def test_the_gpu_profile_is_prolong_scaled_to_one_gpu():
     vocab = cfg.tokenize.tokenizer.train.vocab_size
     assert 80e6 <= parameters(cfg, vocab) <= 130e6
     assert cfg.model.max_position_embeddings == 4096
-    assert {s: p.seq_len for s, p in cfg.pack.splits.items()} == {"base": 4096, "stage1": 16384, "stage2": 65536,
-                                                                  "sft": 4096}
+    assert {s: p.seq_len for s, p in cfg.pack.splits.items()} == {"base_short": 4096, "base": 4096, "stage1": 16384,
+                                                                  "stage2": 65536, "sft": 4096}
+    # the base's curriculum: short retrieval documents first, then across the window (half the steps each)
+    assert [(p.split, 2 * p.steps) for p in cfg.train.base.curriculum] == [("base_short", cfg.train.base.steps)]
+    assert "retrieval" not in cfg.pack.splits["base_short"].mix and "retrieval" in cfg.pack.splits["base"].mix
     stages = cfg.train.pretrain.stages
     assert [s.split for s in stages] == ["stage1", "stage2"]
     theta = [cfg.model.rope_theta] + [s.rope_theta for s in stages]
@@ -82,6 +85,6 @@ def test_its_data_stages_run_on_a_sample(tmp_path):
     for domain, split in windows.items():
         chunk = config.resolve({"profile": "gpu-64k"}).pack.splits[split].base_len  # whole documents' chunk
         assert lengths[domain]["max"] <= chunk, (domain, lengths[domain]["max"], chunk)  # the question stays in
-    for split, length in {"base": 4096, "stage1": 16384, "stage2": 65536, "sft": 4096}.items():
+    for split, length in {"base_short": 4096, "base": 4096, "stage1": 16384, "stage2": 65536, "sft": 4096}.items():
         data = PackedDataset(tmp_path / f"data/packed/{split}/train")
         assert data.seq_len == length and len(data) >= 1, split

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from conftest import REPO
-from longctx.data.loader import PackedDataset
+from longctx.data.loader import Curriculum, PackedDataset
 from longctx.model.config import ModelConfig
 from longctx.model.transformer import Transformer
 from longctx.train import checkpoint
-from longctx.train.loop import RunParams, TrainingDiverged, make_batch, train
+from longctx.train.loop import RunParams, TrainingDiverged, make_batch, sample_indices, step_samples, train
 from longctx.train.optim import lr_at, param_groups
 
 
@@ -123,6 +123,25 @@ def test_a_step_read_after_the_next_is_queued_still_names_itself(small_project, 
     assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]
     assert not checkpoint.checkpoints(tmp_path / "checkpoints")
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_a_curriculum_trains_on_each_split_in_turn(small_project, tmp_path):
+    """A stage's curriculum: its first steps draw from the first split alone, each of its sequences
+    once per epoch, then the stage's own split from its first epoch on; one run, one schedule."""
+    first, then = (PackedDataset(small_project / f"data/packed/{s}/train") for s in ("base", "stage1"))
+    data = Curriculum([(first, 3), (then, 100)])
+    assert len(data) == len(first) + len(then)
+    steps = [step_samples(data, s, 2, 0) for s in range(5)]
+    early = [i for s in steps[:3] for i in s]
+    assert all(i < len(first) for i in early)
+    assert len(set(early)) == min(6, len(first))  # an epoch's permutation, no repeat within it
+    assert steps[3] == [len(first) + i for i in sample_indices(0, 2, len(then), 0)]
+    assert data.provenance(steps[3][0])[0]["split"] == "stage1"
+    assert (data[steps[3][0]].input_ids == then[steps[3][0] - len(first)].input_ids).all()
+    train(tiny_model(), data, RunParams(steps=5, micro_batch=2, lr=1e-3, warmup=0.0), tmp_path)
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["tokens"] for r in rows] == [2 * first.seq_len] * 3 + [2 * then.seq_len] * 2
+    assert [r["lr"] for r in rows] == sorted((r["lr"] for r in rows), reverse=True)  # one decay throughout
 
 
 def test_progress_lines_where_no_terminal_watches(small_project, tmp_path, monkeypatch, capsys):

@@ -58,13 +58,17 @@ def consistent(params: Params) -> None:
     stages = [("train.sft", params.train.sft)] + ([("train.base", params.train.base)] if params.train.base else [])
     stages += [(f"train.pretrain.stages.{i}", st) for i, st in enumerate(params.train.pretrain.stages)]
     for where, stage in stages:
-        if stage.split not in params.pack.splits:
-            raise ValueError(f"{where}.split: {stage.split!r} is not a pack split ({sorted(params.pack.splits)})")
+        named = [(f"{where}.split", stage.split)]
+        named += [(f"{where}.curriculum.{i}.split", p.split) for i, p in enumerate(stage.curriculum)]
+        for field, split in named:
+            if split not in params.pack.splits:
+                raise ValueError(f"{field}: {split!r} is not a pack split ({sorted(params.pack.splits)})")
     base = params.train.base
-    if base is not None and (n := params.pack.splits[base.split].seq_len) > params.model.max_position_embeddings:
-        raise ValueError(f"pack.splits.{base.split}.seq_len: {n} is beyond the base model's window "
-                         f"(model.max_position_embeddings {params.model.max_position_embeddings}); training past "
-                         "it is the long-context stages' work")
+    for split in [base.split, *(p.split for p in base.curriculum)] if base is not None else []:
+        if (n := params.pack.splits[split].seq_len) > params.model.max_position_embeddings:
+            raise ValueError(f"pack.splits.{split}.seq_len: {n} is beyond the base model's window "
+                             f"(model.max_position_embeddings {params.model.max_position_embeddings}); training "
+                             "past it is the long-context stages' work")
     if params.eval.retention_split is not None and params.eval.retention_split not in params.pack.splits:
         raise ValueError(f"eval.retention_split: {params.eval.retention_split!r} is not a pack split "
                          f"({sorted(params.pack.splits)})")

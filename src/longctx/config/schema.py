@@ -300,11 +300,26 @@ class RunParams(Strict):
     seqpe: SeqPETraining = SeqPETraining()
 
 
+class Phase(Strict):
+    split: str
+    steps: PositiveInt
+
+
 class StageParams(RunParams):
     split: str
     """The packed split (pack.splits) it trains on."""
+    curriculum: list[Phase] = Field(default_factory=list)
+    """Splits trained on before `split`, each for its steps (counted in `steps`), under the same
+    optimizer and learning-rate schedule: gpu-64k's base learns retrieval on short documents
+    first, then across its window (bench/tiny_retrieval_notes.md)."""
     val_sequences: PositiveInt = 64
-    """Validation sequences scored at the end."""
+    """Validation sequences scored at the end (of `split`)."""
+
+    @model_validator(mode="after")
+    def _curriculum_fits(self) -> StageParams:
+        if (first := sum(p.steps for p in self.curriculum)) >= self.steps:
+            raise ValueError(f"curriculum: its phases take {first} of the {self.steps} steps; `split` needs some")
+        return self
 
 
 class PretrainStageParams(StageParams):

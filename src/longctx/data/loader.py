@@ -94,3 +94,37 @@ class PackedDataset:
              "length": int(s["length"])}
             for s in segs
         ]
+
+
+class Curriculum:
+    """Packed splits trained on in turn (a stage's `curriculum`, then its own split): the steps
+    of each phase draw from its split alone, in seeded epochs of it, under the stage's one
+    optimizer and learning-rate schedule. Indices run over the splits one after another."""
+
+    def __init__(self, phases: list[tuple[PackedDataset, int]]):
+        """(split, steps) in order; the last phase runs to the end, whatever its steps."""
+        self.parts = [data for data, _ in phases]
+        self.ends = [int(e) for e in np.cumsum([steps for _, steps in phases[:-1]])]
+        self.offsets = [int(o) for o in np.cumsum([0] + [len(d) for d in self.parts])]
+
+    def __len__(self) -> int:
+        return self.offsets[-1]
+
+    def phase(self, step: int) -> tuple[int, int]:
+        """The phase a step belongs to and the step that phase starts at."""
+        k = int(np.searchsorted(self.ends, step, side="right"))
+        return k, (self.ends[k - 1] if k else 0)
+
+    def _locate(self, i: int) -> tuple[int, int]:
+        if not 0 <= i < len(self):
+            raise IndexError(f"sequence {i} of {len(self)}")
+        k = int(np.searchsorted(self.offsets, i, side="right")) - 1
+        return k, i - self.offsets[k]
+
+    def __getitem__(self, i: int) -> Sample:
+        k, j = self._locate(i)
+        return self.parts[k][j]
+
+    def provenance(self, i: int) -> list[dict]:
+        k, j = self._locate(i)
+        return [{"split": self.parts[k].folder.parent.name} | seg for seg in self.parts[k].provenance(j)]

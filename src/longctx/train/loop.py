@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from ..config import RunParams
-from ..data.loader import PackedDataset
+from ..data.loader import Curriculum, PackedDataset
 from ..errors import LongctxError
 from ..io import clear_stale
 from ..model.config import ModelConfig
@@ -72,6 +72,14 @@ def sample_indices(step: int, per_step: int, n: int, seed: int) -> list[int]:
     return [int(_epoch_order(n, seed, g // n)[g % n]) for g in range(step * per_step, (step + 1) * per_step)]
 
 
+def step_samples(data: PackedDataset | Curriculum, step: int, per_step: int, seed: int) -> list[int]:
+    """sample_indices over a split, or over the split of the curriculum phase the step is in."""
+    if not isinstance(data, Curriculum):
+        return sample_indices(step, per_step, len(data), seed)
+    k, begin = data.phase(step)
+    return [data.offsets[k] + i for i in sample_indices(step - begin, per_step, len(data.parts[k]), seed)]
+
+
 def attention_cost(cu_seqlens) -> int:
     """The sum of squared document lengths of a packed sequence (its boundaries, an array or a
     tensor): what its attention costs."""
@@ -92,7 +100,7 @@ def schedule(samples: list[int], costs: list[int], micro_batch: int, dp: int) ->
     return per_rank
 
 
-def make_batch(data: PackedDataset, samples: list[int], device: torch.device, multiple: int = 1) -> Batch:
+def make_batch(data: PackedDataset | Curriculum, samples: list[int], device: torch.device, multiple: int = 1) -> Batch:
     """Packed sequences back to back; padded with one masked filler document to a multiple of
     `multiple` tokens (sequence parallelism splits the tokens evenly)."""
     ids, cus, labels = [], [], []
@@ -318,7 +326,7 @@ class _InFlight:
     acp: tuple[torch.Tensor, torch.Tensor] | None
 
 
-def _diverged(e: TrainingDiverged, step: int, samples: list[int], data: PackedDataset,
+def _diverged(e: TrainingDiverged, step: int, samples: list[int], data: PackedDataset | Curriculum,
               ckpt_dir: Path) -> TrainingDiverged:
     docs = [data.provenance(i) for i in samples]
     return TrainingDiverged(f"step {step}: {e}; no checkpoint written for it (last good: "
@@ -338,7 +346,7 @@ def prepare(model: Transformer, cfg: RunParams, par: Parallel) -> Transformer:
     return model
 
 
-def train(model: Transformer, data: PackedDataset, cfg: RunParams, out: Path, tracker=None,
+def train(model: Transformer, data: PackedDataset | Curriculum, cfg: RunParams, out: Path, tracker=None,
           resume: bool = True, par: Parallel | None = None) -> dict:
     """Train for cfg.steps optimizer steps; checkpoints under out/checkpoints, one JSON line of
     metrics per step in out/metrics.jsonl. Resumes from the latest checkpoint when there is one.
@@ -400,7 +408,7 @@ def train(model: Transformer, data: PackedDataset, cfg: RunParams, out: Path, tr
     bar = progress(total=cfg.steps, initial=start, desc="train", unit="step") if par.main else None
     for step in range(start, cfg.steps):
         timer = _StepTimer(device)
-        samples = sample_indices(step, per_step, len(data), cfg.seed)
+        samples = step_samples(data, step, per_step, cfg.seed)
         costs = [attention_cost(data[i].cu_seqlens) for i in samples]
         mine = schedule(samples, costs, cfg.micro_batch, par.dp)[par.dp_rank]
         micro = [make_batch(data, ids, device, par.sp) for ids in mine]
