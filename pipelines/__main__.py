@@ -21,6 +21,7 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DVC_NO_ANALYTICS", "1")
 
 from .flows import StageFailed, pipeline, workspace_lock  # noqa: E402
+from .server import prefect_api  # noqa: E402
 
 
 def summary(ws: Path) -> str:
@@ -80,10 +81,15 @@ def main() -> None:
         print(f"longctx pipeline: {e}", file=sys.stderr)
         sys.exit(2)
     try:
-        pipeline(str(ws))
+        with prefect_api():
+            pipeline(str(ws))
     except StageFailed as e:  # the stage's own error and how to rerun; Prefect's log has the rest
         print(f"\nlongctx pipeline: {e}", file=sys.stderr)
         sys.exit(1)
+    except KeyboardInterrupt:  # Ctrl-C: the stage said what it kept; the flow run is recorded as crashed
+        print("\nlongctx pipeline: interrupted; finished stages are kept and a training stage resumes from its "
+              "last checkpoint: rerun the same command to go on", file=sys.stderr)
+        sys.exit(130)
     print(f"\nlongctx pipeline finished in {time.perf_counter() - start:.0f} s\n")
     print(summary(ws))
     print("\nperplexity at the longest length with validation documents; every length in metrics/eval.json")

@@ -18,6 +18,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -166,16 +167,34 @@ def run_stage(workspace: str, stage: str, parent_run: str | None, tracking_uri: 
                                 stderr=subprocess.STDOUT, text=True, bufsize=1)
         tail: list[str] = []
         console = Console(stage)
-        for raw in proc.stdout:
-            if (line := console.shown(raw)) is not None:
-                log.info("%s | %s", stage, line)
-                tail = (tail + [line])[-40:]
+        try:
+            for raw in proc.stdout:
+                if (line := console.shown(raw)) is not None:
+                    log.info("%s | %s", stage, line)
+                    tail = (tail + [line])[-40:]
+        except KeyboardInterrupt:  # Ctrl-C reached the stage too: let it finish saying what it kept
+            _drain(proc, stage)
+            raise
         code = proc.wait()
     if code != 0:
         errors = [t for t in tail if "error" in t.lower()] or tail[-10:]
         raise StageFailed(f"stage {stage} failed (exit {code}):\n" + "\n".join(errors) + "\n" + RERUN.format(stage))
     metrics = ws / "metrics" / f"{stage}.json"
     return json.loads(metrics.read_text()) if metrics.is_file() else {}
+
+
+def _drain(proc: subprocess.Popen, stage: str, grace: float = 60.0) -> None:
+    """Print what an interrupted stage still says (its last line: what it kept) until it exits;
+    kill it after `grace` seconds."""
+    timer = threading.Timer(grace, proc.kill)
+    timer.start()
+    try:
+        for raw in proc.stdout:
+            if raw.strip():
+                print(f"{stage} | {raw.rstrip()}", file=sys.stderr)
+        proc.wait()
+    finally:
+        timer.cancel()
 
 
 class Console:

@@ -525,6 +525,36 @@ def test_sigterm_stops_a_training_stage_cleanly_and_it_resumes(project_copy):
     assert (project_copy / "models" / "base" / "model.safetensors").is_file()
 
 
+@pytest.mark.slow
+def test_ctrl_c_on_the_main_command_stops_it_in_seconds_and_records_the_flow_run(tmp_path):
+    """Ctrl-C at the terminal (SIGINT to the whole process group) while base trains: the stage
+    says what it kept, the main command exits 130 within seconds with one line on how to go on,
+    and the flow run is recorded as crashed (its temporary Prefect server outlives the signal)."""
+    import sqlite3
+
+    ws = tmp_path / "ws"
+    env = dvc_workspace(ws, merge(RESUMABLE, {"train": {"base": {"steps": 400}}}))
+    env |= {"PREFECT_HOME": str(tmp_path / "prefect"), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "pipelines", str(ws)], cwd=ws, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    deadline = time.time() + 400
+    while _steps_logged(ws, "base") < 3 and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.1)
+    assert proc.poll() is None, "the pipeline ended before it was interrupted"
+    os.killpg(proc.pid, signal.SIGINT)  # what the terminal sends on Ctrl-C
+    stopped = time.time()
+    out, err = proc.communicate(timeout=120)
+    took = time.time() - stopped
+    assert proc.returncode == 130, (proc.returncode, err[-3000:])
+    assert took < 30, took  # was 184-224 s, retrying a server the signal had killed
+    assert "base: interrupted (DVC removed this stage's earlier outputs" in err, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith("longctx pipeline: interrupted; finished stages are kept")
+    assert "ConnectError" not in out + err
+    with sqlite3.connect(tmp_path / "prefect" / "prefect.db") as db:
+        states = db.execute("SELECT state_type FROM flow_run").fetchall()
+    assert states == [("CRASHED",)], states
+
+
 LOSES_ITS_SERVER = """
 import os, signal, sys, time
 from pathlib import Path
