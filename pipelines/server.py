@@ -5,6 +5,7 @@ it outlives the interrupt long enough for the flow to record that it crashed, an
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
@@ -40,7 +41,7 @@ def prefect_api() -> Iterator[str]:
     server = subprocess.Popen(
         [sys.executable, "-m", "uvicorn", "--app-dir", str(prefect.__module_path__.parent), "--factory",
          "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(port), "--log-level",
-         "error", "--lifespan", "on"], env=env, start_new_session=True)
+         "error", "--lifespan", "on"], env=env, start_new_session=True, preexec_fn=_die_with_parent)
     try:
         _wait_healthy(server, url, float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", 180)))
         with temporary_settings(updates={PREFECT_API_URL: url}):
@@ -52,6 +53,13 @@ def prefect_api() -> Iterator[str]:
                 EventsWorker.drain_all(timeout=5)
     finally:
         _stop(server)
+
+
+def _die_with_parent() -> None:
+    """In the server's process before it starts: on Linux, SIGTERM when the main command dies
+    however it dies (its own session keeps the terminal's signals away, and its parent's too)."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def _wait_healthy(server: subprocess.Popen, url: str, timeout: float) -> None:
