@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -35,24 +36,67 @@ def prefect_api() -> Iterator[str]:
     if url := os.environ.get("PREFECT_API_URL"):
         yield url
         return
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}/api"
-    env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
-    server = subprocess.Popen(
-        [sys.executable, "-m", "uvicorn", "--app-dir", str(prefect.__module_path__.parent), "--factory",
-         "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(port), "--log-level",
-         "error", "--lifespan", "on"], env=env, start_new_session=True, preexec_fn=_die_with_parent)
+    server = _Server(_free_port())
     try:
-        _wait_healthy(server, url, float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", 180)))
-        with temporary_settings(updates={PREFECT_API_URL: url}):
+        server.start()
+        with temporary_settings(updates={PREFECT_API_URL: server.url}):
             try:
-                yield url
+                yield server.url
             finally:  # the flow's queued logs and events, while the server still answers (else
                 # Prefect's exit hooks retry a stopped server for over a minute)
                 APILogWorker.drain_all(timeout=5)
                 EventsWorker.drain_all(timeout=5)
     finally:
-        _stop(server)
+        server.stop()
+
+
+class _Server:
+    """The uvicorn process, and a watchdog that starts it again on the same port and database if
+    it dies mid-run (the client's retries ride out the gap; Prefect's own would leave the next
+    task Pending for minutes, then fail the run in tracebacks)."""
+
+    def __init__(self, port: int):
+        self.port, self.url = port, f"http://127.0.0.1:{port}/api"
+        self.proc: subprocess.Popen | None = None
+        self.stopping = threading.Event()
+        self.timeout = float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", 180))
+
+    def _spawn(self) -> None:
+        env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1",
+               "PREFECT__SERVER_FINAL": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "uvicorn", "--app-dir", str(prefect.__module_path__.parent), "--factory",
+             "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(self.port),
+             "--log-level", "error", "--lifespan", "on"], env=env, start_new_session=True,
+            preexec_fn=_die_with_parent)
+        _wait_healthy(self.proc, self.url, self.timeout)
+
+    def start(self) -> None:
+        self._spawn()
+        threading.Thread(target=self._watch, name="prefect-server-watchdog", daemon=True).start()
+
+    def _watch(self) -> None:
+        while not self.stopping.wait(0.5):
+            if self.proc.poll() is None:
+                continue
+            print(f"longctx pipeline: the temporary Prefect server exited (code {self.proc.returncode}); "
+                  "starting it again", file=sys.stderr, flush=True)
+            try:
+                self._spawn()
+            except RuntimeError as e:
+                print(f"longctx pipeline: {e}", file=sys.stderr, flush=True)
+                return
+
+    def stop(self) -> None:
+        self.stopping.set()
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
 
 
 def _die_with_parent() -> None:
@@ -75,14 +119,3 @@ def _wait_healthy(server: subprocess.Popen, url: str, timeout: float) -> None:
         time.sleep(0.2)
     raise RuntimeError(f"the temporary Prefect server did not answer within {timeout:.0f} s "
                        "(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS)")
-
-
-def _stop(server: subprocess.Popen) -> None:
-    if server.poll() is not None:
-        return
-    os.killpg(server.pid, signal.SIGTERM)
-    try:
-        server.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        os.killpg(server.pid, signal.SIGKILL)
-        server.wait()
