@@ -529,7 +529,8 @@ def test_sigterm_stops_a_training_stage_cleanly_and_it_resumes(project_copy):
 def test_ctrl_c_on_the_main_command_stops_it_in_seconds_and_records_the_flow_run(tmp_path):
     """Ctrl-C at the terminal (SIGINT to the whole process group) while base trains: the stage
     says what it kept, the main command exits 130 within seconds with one line on how to go on,
-    and the flow run is recorded as crashed (its temporary Prefect server outlives the signal)."""
+    and the flow run is recorded as crashed (its temporary Prefect server outlives the signal).
+    Before that, the server is killed once: it is started again and the flow goes on."""
     import sqlite3
 
     ws = tmp_path / "ws"
@@ -538,9 +539,16 @@ def test_ctrl_c_on_the_main_command_stops_it_in_seconds_and_records_the_flow_run
     proc = subprocess.Popen([sys.executable, "-m", "pipelines", str(ws)], cwd=ws, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     deadline = time.time() + 400
+    while not (ws / "data" / "corpora").is_dir() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.1)
+    server = _children(proc.pid, "prefect.server.api.server:create_app")
+    assert len(server) == 1, server
+    os.kill(server[0], signal.SIGKILL)  # the server dies mid-run: started again, the flow goes on
     while _steps_logged(ws, "base") < 3 and proc.poll() is None and time.time() < deadline:
         time.sleep(0.1)
     assert proc.poll() is None, "the pipeline ended before it was interrupted"
+    again = _children(proc.pid, "prefect.server.api.server:create_app")
+    assert len(again) == 1 and again != server, again
     os.killpg(proc.pid, signal.SIGINT)  # what the terminal sends on Ctrl-C
     stopped = time.time()
     out, err = proc.communicate(timeout=120)
@@ -550,9 +558,27 @@ def test_ctrl_c_on_the_main_command_stops_it_in_seconds_and_records_the_flow_run
     assert "base: interrupted (DVC removed this stage's earlier outputs" in err, err[-3000:]
     assert err.strip().splitlines()[-1].startswith("longctx pipeline: interrupted; finished stages are kept")
     assert "ConnectError" not in out + err
+    assert "the temporary Prefect server exited (code -9); starting it again" in err
     with sqlite3.connect(tmp_path / "prefect" / "prefect.db") as db:
         states = db.execute("SELECT state_type FROM flow_run").fetchall()
+        tasks = dict(db.execute("SELECT name, state_type FROM task_run").fetchall())
     assert states == [("CRASHED",)], states
+    assert tasks == {"dvc repro corpora": "COMPLETED", "dvc repro tokenize": "COMPLETED",
+                     "dvc repro pack": "COMPLETED", "dvc repro base": "CRASHED"}, tasks
+    assert not Path(f"/proc/{again[0]}").exists()  # the server went with the command
+
+
+def _children(pid: int, marker: str) -> list[int]:
+    """Live processes started by `pid` whose command line holds `marker`."""
+    found = []
+    for d in Path("/proc").iterdir():
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid == pid and marker in (d / "cmdline").read_text():
+                found.append(int(d.name))
+        except (ValueError, OSError, IndexError):
+            continue
+    return found
 
 
 LOSES_ITS_SERVER = """
