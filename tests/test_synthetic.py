@@ -14,7 +14,7 @@ from longctx.config import CorporaParams, EvalParams, SourceParams
 from longctx.data import corpora
 from longctx.data.sources import iter_docs
 from longctx.data.synthetic import TRAIN_WORDS
-from longctx.errors import ConfigError, DataError
+from longctx.errors import ConfigError
 from longctx.eval import tasks
 
 
@@ -70,8 +70,6 @@ def test_bad_synthetic_sources_are_refused():
         SourceParams(synthetic={"min_chars": 5000, "max_chars": 100}, max_docs=1)
     with pytest.raises(ValueError, match="formats"):
         SourceParams(synthetic={"formats": ["riddle"]}, max_docs=1)
-    with pytest.raises(DataError, match="do not fit an sft domain"):
-        list(iter_docs(SourceParams(synthetic={}, max_docs=1), "sft", 0, "replace"))
     with pytest.raises(ConfigError, match="synthetic"):
         from longctx import config
 
@@ -89,3 +87,26 @@ def test_the_corpora_stage_writes_them_within_the_budget(tmp_path):
     questions = {t.rsplit("\n\n", 1)[1].split("\n")[0] for t in texts}
     assert tasks.PASSKEY_ASK[0] in questions and any(q.startswith("What are all the special magic number for ")
                                                      for q in questions)
+
+
+def test_in_an_sft_domain_they_are_chats_asked_as_eval_asks_a_chat_model():
+    """The same documents as conversations: the context and the first question in the user's
+    turn, each answer after eval's answer prefix in the assistant's; multiquery's further
+    questions in further turns. The text is the plain document's, turn by turn."""
+    spec = SourceParams(synthetic={"formats": ["passkey", "multiquery"], "min_chars": 800, "max_chars": 900},
+                        max_docs=2)
+    plain, chats = (list(iter_docs(spec, kind, 0, "replace")) for kind in ("whole", "sft"))
+    assert [d.id for d in plain] == [d.id for d in chats]
+    for doc, chat in zip(plain, chats, strict=True):
+        turns = chat.messages
+        assert [t["role"] for t in turns] == ["user", "assistant"] * (len(turns) // 2)
+        pairs = zip(turns[::2], turns[1::2], strict=True)
+        assert "\n\n".join(f"{u['content']}\n{a['content']}" for u, a in pairs) == doc.text
+    passkey, multi = chats[0].messages, chats[1].messages
+    question, prefix = tasks.PASSKEY_ASK
+    assert len(passkey) == 2 and passkey[0]["content"].endswith("\n\n" + question)
+    assert re.fullmatch(rf"{prefix} (\d{{6}})\.", passkey[1]["content"])
+    key = re.fullmatch(rf"{prefix} (\d{{6}})\.", passkey[1]["content"]).group(1)
+    assert f"The pass key is {key}." in passkey[0]["content"]  # the needle is in the user's context
+    assert len(multi) >= 4 and all(t["content"].startswith("What are all the special magic number for")
+                                   for t in multi[2::2])

@@ -102,9 +102,12 @@ def _builtin(spec: SourceParams, kind: str, seed: int) -> Iterator[Doc]:
 
 
 def _synthetic(spec: SourceParams, kind: str, seed: int) -> Iterator[Doc]:
-    if kind == "sft":
-        raise DataError("synthetic: retrieval documents are plain text; they do not fit an sft domain")
+    """Retrieval documents; in an sft domain, as chats (the user asks, the assistant answers)."""
     syn = spec.synthetic
+    if kind == "sft":
+        for id_, messages in synthetic.conversations(seed, syn.formats, syn.min_chars, syn.max_chars):
+            yield Doc(id_, messages=messages)
+        return
     for id_, text in synthetic.documents(seed, syn.formats, syn.min_chars, syn.max_chars):
         yield Doc(id_, text=text)
 

@@ -28,11 +28,31 @@ TRAIN_WORDS = ["alder", "bramble", "canyon", "dahlia", "elm", "fennel", "glacier
                "kestrel", "larch", "meadow", "nettle", "oak", "poplar", "quince", "reed", "sorrel", "tarn",
                "umbra", "verbena", "wisteria", "yucca", "zinnia", "aspen", "basil", "coral", "dogwood", "esker"]
 assert not set(TRAIN_WORDS) & set(WORDS), "training keys must not be eval keys"
+QA = tuple[str, str, str]
+"""(question, answer prefix, answer)."""
+Messages = list[dict[str, str]]
 
 
 def documents(seed: int, formats: list[str], min_chars: int, max_chars: int) -> Iterator[tuple[str, str]]:
     """(id, text) forever: formats in turn, lengths log-uniform in [min_chars, max_chars], the
     needles at uniform depths. Sources of other lengths draw other documents."""
+    for id_, context, qas in _drawn(seed, formats, min_chars, max_chars):
+        yield id_, context + "\n\n" + "\n\n".join(f"{q}\n{prefix} {a}." for q, prefix, a in qas)
+
+
+def conversations(seed: int, formats: list[str], min_chars: int, max_chars: int) -> Iterator[tuple[str, Messages]]:
+    """The same documents as chats, for SFT: the user gives the context and asks, the assistant
+    answers as eval prompts a chat model (suite.Encoder: the answer prefix, then the answer); a
+    multiquery document asks its further questions in further turns."""
+    for id_, context, qas in _drawn(seed, formats, min_chars, max_chars):
+        turns: Messages = []
+        for i, (question, prefix, answer) in enumerate(qas):
+            turns.append({"role": "user", "content": f"{context}\n\n{question}" if i == 0 else question})
+            turns.append({"role": "assistant", "content": f"{prefix} {answer}."})
+        yield id_, turns
+
+
+def _drawn(seed: int, formats: list[str], min_chars: int, max_chars: int) -> Iterator[tuple[str, str, list[QA]]]:
     unknown = sorted(set(formats) - set(FORMATS))
     if unknown:
         raise ValueError(f"synthetic formats {unknown} are unknown (known: {list(FORMATS)})")
@@ -40,26 +60,27 @@ def documents(seed: int, formats: list[str], min_chars: int, max_chars: int) -> 
     for i in itertools.count():
         fmt = formats[i % len(formats)]
         chars = int(math.exp(rng.uniform(math.log(min_chars), math.log(max_chars))))
-        yield f"synthetic:{fmt}:{i}", _document(fmt, chars, rng)
+        yield (f"synthetic:{fmt}:{i}", *_document(fmt, chars, rng))
 
 
-def _document(fmt: str, chars: int, rng: np.random.Generator) -> str:
+def _document(fmt: str, chars: int, rng: np.random.Generator) -> tuple[str, list[QA]]:
+    """The context (filler with the needles) and its questions."""
     if fmt == "passkey":
         key = str(int(rng.integers(100_000, 1_000_000)))
-        needles, (question, prefix), answer = [passkey_needle(key)], PASSKEY_ASK, key
-        qa = f"{question}\n{prefix} {answer}."
+        needles, qas = [passkey_needle(key)], [(*PASSKEY_ASK, key)]
     else:
         n = {"kv": 1, "multikey": 4}.get(fmt) or min(8, max(2, chars // MULTIQUERY_CHARS))
         keys = list(dict.fromkeys(_key(rng) for _ in range(n)))
         values = [str(int(rng.integers(1_000_000, 10_000_000))) for _ in keys]
         needles = [niah_needle(k, v) for k, v in zip(keys, values, strict=True)]
         asked = rng.permutation(len(keys)) if fmt == "multiquery" else [int(rng.integers(len(keys)))]
-        qa = "\n\n".join("{}\n{} {}.".format(*niah_ask([keys[i]]), values[i]) for i in asked)
-    room = max(0, chars - len(qa) - sum(map(len, needles)))
+        qas = [(*niah_ask([keys[i]]), values[i]) for i in asked]
+    qa_chars = sum(len(q) + len(prefix) + len(a) + 3 for q, prefix, a in qas) + 2 * (len(qas) - 1)
+    room = max(0, chars - qa_chars - sum(map(len, needles)))
     filler = [NOISE] * max(1, room // len(NOISE))
     for needle in needles:
         filler.insert(int(rng.integers(len(filler) + 1)), needle)
-    return "".join(filler) + "\n\n" + qa
+    return "".join(filler), qas
 
 
 def _key(rng: np.random.Generator) -> str:
