@@ -510,7 +510,7 @@ def test_sigterm_stops_a_training_stage_cleanly_and_it_resumes(project_copy):
     proc.send_signal(signal.SIGTERM)
     stopped = time.time()
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 143 and time.time() - stopped < 30  # ~1 s on a quiet machine
+    assert proc.returncode == 143 and time.time() - stopped < 30, err[-3000:]  # ~1 s on a quiet machine
     assert "Traceback" not in err
     assert err.strip().splitlines()[-1] == ("base: terminated (SIGTERM); no outputs were changed; "
                                             "`dvc repro base` goes on from its last checkpoint")
