@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from longctx.config.schema import RunParams
-from longctx.data.loader import Sample
+from longctx.data.loader import PackedDataset, Sample
 from longctx.data.shards import ShardReader
 from longctx.data.synthetic import documents
 from longctx.data.tokenizer import TextTokenizer
@@ -38,7 +38,7 @@ from longctx.model.config import ModelConfig, RopeConfig
 from longctx.model.decode import generate
 from longctx.perf import write_result
 from longctx.train.loop import make_batch, prepare, queue_step
-from longctx.train.models import build
+from longctx.train.models import build, load_model
 from longctx.train.optim import adamw, lr_at
 from longctx.train.parallel import Parallel
 
@@ -82,6 +82,10 @@ class Variant:
     """The attention backend (default: the path's, sdpa or auto)."""
     compile: bool = True
     """path "stage": compiled blocks on a GPU (RunParams.compile)."""
+    splits: tuple[str, ...] = ()
+    """The pack stage's splits under --packed instead of generated sequences: the first short_first
+    of the steps from the first, the rest from the second (a stage's curriculum), each in seeded
+    order; seq_len and the text share are then the splits'."""
 
 
 SHORT_CHARS = 1200
@@ -114,6 +118,9 @@ VARIANTS: dict[str, Variant] = {
                                lr=6e-4, lr_min=6e-5, max_chars=13000, path="stage"),
     "base100m_4k_cur": Variant(steps=500, seq_len=4096, d_model=768, n_layers=12, n_heads=12, ffn_dim=2048,
                                lr=6e-4, lr_min=6e-5, max_chars=13000, short_first=0.5, path="stage"),
+    # base100m_4k_cur on the pack stage's splits (gpu-64k's base_short then base): the pipeline's data
+    "base100m_packed": Variant(steps=500, seq_len=4096, d_model=768, n_layers=12, n_heads=12, ffn_dim=2048,
+                               lr=6e-4, lr_min=6e-5, short_first=0.5, splits=("base_short", "base"), path="stage"),
     "base100m_lr6e-4": Variant(steps=500, seq_len=4096, d_model=768, n_layers=12, n_heads=12, ffn_dim=2048,
                                lr=6e-4, lr_min=6e-5, path="stage"),
 }
@@ -131,6 +138,21 @@ class Packed:
     def __getitem__(self, i: int) -> Sample:
         ids, lens = self.seqs[i]
         return Sample(ids, np.asarray(lens, dtype=np.int64), np.zeros(len(lens), dtype=np.int64), None)
+
+
+class FromSplits:
+    """The steps' sequences drawn from packed splits in turn, as a stage's curriculum reads them."""
+
+    def __init__(self, parts: list[tuple[PackedDataset, int]], rng: np.random.Generator):
+        self.picks = [(data, int(i)) for data, n in parts
+                      for i in np.concatenate([rng.permutation(len(data)) for _ in range(-(-n // len(data)))])[:n]]
+
+    def __len__(self) -> int:
+        return len(self.picks)
+
+    def __getitem__(self, i: int) -> Sample:
+        data, j = self.picks[i]
+        return data[j]
 
 
 def synthetic_sequences(tok: TextTokenizer, v: Variant, n: int) -> list[Sequence]:
@@ -199,11 +221,15 @@ def scores(model, enc: Encoder, prompts: list[tasks.Prompt], device: torch.devic
     return {t: float(np.mean(s)) for t, s in by_task.items()} | {"answers": answers[:4]}
 
 
-def run(name: str, v: Variant, tok: TextTokenizer, readers: list[ShardReader], device: torch.device,
-        evals: int, lengths: list[int], per_task: int) -> dict:
-    """Train one variant, scoring `evals` times along the way; its rows."""
+def training_data(v: Variant, tok: TextTokenizer, readers: list[ShardReader], packed: Path) -> Packed | FromSplits:
     rng = np.random.default_rng(v.seed)
     first = round(v.steps * v.short_first) * v.batch
+    if v.splits:
+        parts = [PackedDataset(packed / split / "train") for split in v.splits]
+        if any(p.seq_len != v.seq_len for p in parts):
+            raise ValueError(f"{v.splits}: packed at {[p.seq_len for p in parts]} tokens, the variant at {v.seq_len}")
+        counts = [first, v.steps * v.batch - first] if len(parts) == 2 else [v.steps * v.batch]
+        return FromSplits(list(zip(parts, counts, strict=True)), rng)
     data = []
     for n, part in ((first, dataclasses.replace(v, max_chars=SHORT_CHARS)), (v.steps * v.batch - first, v)):
         if n == 0:
@@ -211,7 +237,30 @@ def run(name: str, v: Variant, tok: TextTokenizer, readers: list[ShardReader], d
         n_syn = round(n * v.share)
         seqs = synthetic_sequences(tok, part, n_syn) + text_sequences(readers, v.seq_len, n - n_syn)
         data += [seqs[i] for i in rng.permutation(len(seqs))]
-    data = Packed(data)
+    return Packed(data)
+
+
+def score_rows(model, enc: Encoder, prompts: list[tasks.Prompt], lengths: list[int], device: torch.device,
+               bf16: bool) -> dict:
+    """Answer loss and accuracy at each length (bf16 autocast: as the eval stage runs a GPU model)."""
+    row = {}
+    scoring = torch.autocast("cuda", torch.bfloat16) if bf16 else nullcontext()
+    for n in lengths:
+        at_n = [p for p in prompts if p.length == n]
+        with scoring:
+            row[f"nll_{n}"] = answer_nll(model, enc, at_n, device)
+            row |= {f"{k}_{n}": s for k, s in scores(model, enc, at_n, device).items()}
+    return row
+
+
+def task_prompts(enc: Encoder, lengths: list[int], per_task: int) -> list[tasks.Prompt]:
+    depths = [float(d) for d in np.linspace(0.05, 0.95, per_task)]
+    return build_prompts(enc, ["passkey", "niah_single_noise"], lengths, per_task, depths, 1, "")
+
+
+def run(name: str, v: Variant, tok: TextTokenizer, data: Packed | FromSplits, device: torch.device,
+        evals: int, lengths: list[int], per_task: int) -> dict:
+    """Train one variant, scoring `evals` times along the way; its rows."""
     cfg = ModelConfig(vocab_size=tok.vocab_size, d_model=v.d_model, n_layers=v.n_layers, n_heads=v.n_heads,
                       ffn_dim=v.ffn_dim, max_position_embeddings=v.seq_len, rope=RopeConfig(theta=v.theta))
     if v.path not in ("fp32", "stage"):
@@ -223,8 +272,7 @@ def run(name: str, v: Variant, tok: TextTokenizer, readers: list[ShardReader], d
         prepare(model, RunParams(steps=v.steps, micro_batch=v.batch, lr=v.lr, seed=v.seed, compile=v.compile), par)
     opt = adamw(model, v.lr, (0.9, 0.95), v.weight_decay)
     enc = Encoder(tok, chat=False)
-    depths = [float(d) for d in np.linspace(0.05, 0.95, per_task)]
-    prompts = build_prompts(enc, ["passkey", "niah_single_noise"], lengths, per_task, depths, 1, "")
+    prompts = task_prompts(enc, lengths, per_task)
     at = {round(v.steps * (i + 1) / evals) for i in range(evals)}
     rows, t0, train_s = [], time.perf_counter(), 0.0
     for step in range(v.steps):
@@ -243,15 +291,9 @@ def run(name: str, v: Variant, tok: TextTokenizer, readers: list[ShardReader], d
         train_s += time.perf_counter() - s0
         if step + 1 in at:
             model.eval()
-            # a stage's model scores as the eval stage runs it: bf16 autocast on a GPU
-            scoring = torch.autocast("cuda", torch.bfloat16) if stage and device.type == "cuda" else nullcontext()
             row = {"step": step + 1, "tokens": (step + 1) * v.batch * v.seq_len, "loss": float(loss.detach()),
                    "train_s": train_s}
-            for n in lengths:
-                at_n = [p for p in prompts if p.length == n]
-                with scoring:
-                    row[f"nll_{n}"] = answer_nll(model, enc, at_n, device)
-                    row |= {f"{k}_{n}": s for k, s in scores(model, enc, at_n, device).items()}
+            row |= score_rows(model, enc, prompts, lengths, device, stage and device.type == "cuda")
             model.train()
             rows.append(row)
             print(name, json.dumps(row), flush=True)
@@ -265,20 +307,38 @@ def _job(job: tuple[str, Variant, argparse.Namespace]) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = False
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tok = TextTokenizer.load(args.tokens / "tokenizer")
-    readers = [ShardReader(args.tokens / d) for d in args.text]
-    return run(name, v, tok, readers, device, args.evals, args.lengths, args.prompts)
+    readers = [] if v.splits else [ShardReader(args.tokens / d) for d in args.text]
+    data = training_data(v, tok, readers, args.packed)
+    return run(name, v, tok, data, device, args.evals, args.lengths, args.prompts)
+
+
+def score_checkpoints(args: argparse.Namespace) -> list[dict]:
+    """A stage's saved models (models/<name>), loaded as the eval stage loads them, scored here."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    tok = TextTokenizer.load(args.tokens / "tokenizer")
+    enc = Encoder(tok, chat=False)
+    prompts = task_prompts(enc, args.lengths, args.prompts)
+    out = []
+    for folder in args.score:
+        model = load_model(folder).to(device).eval()
+        row = {"step": 0, "tokens": 0} | score_rows(model, enc, prompts, args.lengths, device, device.type == "cuda")
+        print(folder, json.dumps(row), flush=True)
+        out.append({"variant": str(folder), "rows": [row]})
+    return out
 
 
 def _parse(kind: str, value: str):
     if kind.startswith("tuple"):
         return tuple(value.split(","))
-    return {"int": int, "float": float, "bool": lambda x: x.lower() in ("1", "true")}[kind](value)
+    return {"int": int, "float": float, "str": str, "bool": lambda x: x.lower() in ("1", "true")}[kind](value)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=Path, default=Path("data/tokens"))
     ap.add_argument("--text", nargs="+", default=["docstrings", "modules"], help="domains of real short text")
+    ap.add_argument("--packed", type=Path, default=Path("data/packed"), help="the pack stage's splits (Variant.splits)")
+    ap.add_argument("--score", type=Path, nargs="+", default=[], help="score these saved models instead of training")
     ap.add_argument("--variants", nargs="+", default=["tiny"], choices=sorted(VARIANTS))
     ap.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE", help="override fields of every variant")
     ap.add_argument("--evals", type=int, default=5, help="scorings over the run")
@@ -294,7 +354,9 @@ def main() -> None:
         ap.error(f"--set: unknown fields {unknown} (known: {sorted(types)})")
     overrides = {k: _parse(types[k], v) for k, v in (kv.split("=", 1) for kv in args.set)}
     jobs = [(n, dataclasses.replace(VARIANTS[n], **overrides), args) for n in args.variants]
-    if args.parallel > 1:
+    if args.score:
+        results = score_checkpoints(args)
+    elif args.parallel > 1:
         spawn = multiprocessing.get_context("spawn")
         with concurrent.futures.ProcessPoolExecutor(args.parallel, mp_context=spawn) as pool:
             results = list(pool.map(_job, jobs))
