@@ -18,6 +18,7 @@ from longctx.data.tokenizer import TextTokenizer
 from longctx.errors import ConfigError, DataError
 from longctx.io import atomic_dir, write_json
 from longctx.model.rope import hf_rope_parameters
+from longctx.plotting import notice
 from longctx.ropesearch.compare import SEARCHED, needle_sets, plot_factors, search_and_compare
 from longctx.ropesearch.space import Space
 from longctx.tracking import stage_run
@@ -33,11 +34,19 @@ def pretrain_init(cfg: Params) -> str:
     return str(_train.MODELS / "base") if p.init == "base" else p.init
 
 
+FITNESS = PLOTS / "rope_search_fitness.csv"
+FACTORS = PLOTS / "rope_factors.png"
+
+
 def skip(reason: str) -> None:
+    """Every output DVC expects of the stage, saying why it did not search."""
     with atomic_dir(OUT) as tmp:
         write_json(tmp / "skipped.json", {"reason": reason})
     METRICS.mkdir(exist_ok=True)
     write_json(METRICS / "rope_search.json", {"skipped": True})
+    PLOTS.mkdir(exist_ok=True)
+    FITNESS.write_text("generation,best,mean\n")  # no generations
+    notice(FACTORS, "rope_search: skipped", reason)
     print(f"rope_search: skipped ({reason})")
 
 
@@ -106,13 +115,13 @@ def run(cfg: Params, root: Path) -> None:
         METRICS.mkdir(exist_ok=True)
         write_json(METRICS / "rope_search.json", {"summary": summary, "table": table})
         PLOTS.mkdir(exist_ok=True)
-        write_csv(PLOTS / "rope_search_fitness.csv",
+        write_csv(FITNESS,
                    [{"generation": h["generation"], "best": h["best"], "mean": h["mean"]} for h in state.history])
-        plot_factors(factors, space, PLOTS / "rope_factors.png", result.attention)
+        plot_factors(factors, space, FACTORS, result.attention)
         tracker.metrics({k: v for k, v in summary.items() if isinstance(v, (int, float))})
         for f in ("factors.json", "table.csv", "history.jsonl"):
             tracker.artifact(OUT / f)
-        tracker.artifact(PLOTS / "rope_factors.png")
+        tracker.artifact(FACTORS)
         lo, hi = summary["searched_needle_ppl_interval"]
         blo, bhi = summary["best_baseline_needle_ppl_interval"]
         print(f"rope_search: {SEARCHED} needle ppl {summary['searched_needle_ppl']:.3f} [{lo:.3f}, {hi:.3f}] vs best "

@@ -33,3 +33,11 @@ def finish(fig, ax, path: Path, xlabel: str, ylabel: str, title: str) -> None:
     """Label one axes, add its legend, write the figure."""
     labels(ax, xlabel, ylabel, title)
     save(fig, path)
+
+
+def notice(path: Path, title: str, text: str) -> None:
+    """A figure that says why there is no plot (a stage that skipped its work still writes its plots)."""
+    fig = pyplot().figure(figsize=(6, 2))
+    fig.text(0.5, 0.62, title, ha="center", fontsize=12)
+    fig.text(0.5, 0.35, text, ha="center", fontsize=9, wrap=True)
+    save(fig, path)
