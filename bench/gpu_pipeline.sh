@@ -27,13 +27,15 @@ tar --exclude=./.git --exclude=./.whl --exclude=./data --exclude=./bench/work --
 cd "$ws" || exit 1
 export PYTHONPATH=$ws/src:$ws${SITE:+:$SITE}   # the workspace's code, not the carried tree's
 sed -i "s/^profile: .*/profile: ${PROFILE:-gpu-64k}/" params.yaml
-if [ "$variant" = fox ]; then   # FoX (Pro) + ACP: the same data, splits and steps
-  python3 - <<'EOF'
+if [ "$variant" = fox ]; then   # FoX (Pro) + ACP: the same data, splits and steps (ACP='': FoX alone, as a CPU runs it)
+  ACP=${ACP-4.54e-5} python3 - <<'EOF'
+import os
 import yaml
 p = yaml.safe_load(open("params.yaml"))
 p["model"] = {"arch": "fox"}
-for stage in ("base", "sft"):
-    p["train"][stage] = {"acp_eps": 4.54e-5}
+if os.environ["ACP"]:
+    for stage in ("base", "sft"):
+        p["train"][stage] = {"acp_eps": float(os.environ["ACP"])}
 yaml.safe_dump(p, open("params.yaml", "w"), sort_keys=False)
 EOF
 fi

@@ -33,7 +33,9 @@ from prefect.runtime import flow_run
 
 from longctx.config import load
 from longctx.errors import LongctxError
+from longctx.eval.plots import family_figure
 from longctx.eval.report import length_means, score_rows
+from longctx.eval.tasks import family
 from longctx.tracking import PARENT_ENV, end_run, open_run, tag_children, tracking_uri
 
 
@@ -256,6 +258,19 @@ def headline(evaluated: dict | None) -> dict[str, float]:
     return out
 
 
+def comparison_view(evaluated: dict | None) -> dict:
+    """The parent run's one place to compare checkpoints: every checkpoint x task x length score
+    as an MLflow table, and the scores by task family against length as one figure."""
+    if not evaluated or not evaluated.get("tasks"):
+        return {}
+    rows = score_rows(evaluated["tasks"])
+    table = {key: [r[key] for r in rows] for key in ("checkpoint", "task", "length", "score")}
+    table["family"] = [family(r["task"]) for r in rows]
+    windows = evaluated.get("windows", {})
+    return {"tables": {"results/scores.json": table},
+            "figures": {"results/score_by_family.png": lambda: family_figure(evaluated["tasks"], windows)}}
+
+
 def _summary(results: dict[str, dict]) -> str:
     lines = ["| stage | key metrics |", "|---|---|"]
     for stage, metrics in results.items():
@@ -292,7 +307,9 @@ def pipeline(workspace: str = ".", stages: list[str] | None = None) -> dict[str,
             if hint := git_hint(ws):
                 get_run_logger().info(hint)
         finally:
-            end_run(tracking, ws, parent, ok=len(results) == len(chosen), metrics=headline(results.get("eval")))
+            evaluated = results.get("eval")
+            end_run(tracking, ws, parent, ok=len(results) == len(chosen), metrics=headline(evaluated),
+                    **comparison_view(evaluated))
             create_markdown_artifact(_summary(results), key="longctx-stages",
                                      description=f"stage metrics of {ws}")
     return results

@@ -9,11 +9,14 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
+
 from longctx.config import Params, RunParams, StageParams, flat
 from longctx.data.loader import Curriculum, PackedDataset
 from longctx.errors import DataError
 from longctx.io import atomic_dir, check_room, clear_stale, read_json, write_json
 from longctx.model.transformer import Transformer
+from longctx.plotting import loss_curve
 from longctx.tracking import Tracker, stage_run
 from longctx.train.loop import mean_loss, train
 from longctx.train.models import load_model, save_model
@@ -107,6 +110,10 @@ def fit(name: str, stage: StageParams, model: Transformer, init: str, tracker, p
             writer.writerows(rows)
         tracker.metrics({f"final.{k}": v for k, v in summary.items()})
         tracker.artifact(plot)
+        ends = np.cumsum([p.steps for p in stage.curriculum])  # where each phase hands over to the next
+        marks = {int(end): f"then {split}"
+                 for end, split in zip(ends, [p.split for p in stage.curriculum[1:]] + [stage.split], strict=False)}
+        tracker.figure(lambda: loss_curve(rows, f"{name}: training loss", val, marks), f"{plot.stem}.png")
     return model, summary
 
 

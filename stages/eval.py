@@ -15,6 +15,7 @@ from longctx.data.loader import PackedDataset
 from longctx.data.tokenizer import TextTokenizer
 from longctx.errors import DataError
 from longctx.eval import needle, report, suite
+from longctx.eval.plots import family_figure
 from longctx.io import atomic_dir, write_json
 from longctx.tracking import stage_run
 
@@ -89,6 +90,7 @@ def run(cfg: Params, root: Path) -> None:
         write_outputs(results, rows_all, position_rows)
         for f in ("scores.csv", "position_loss.csv", "score_vs_length.png", "position_loss.png", "niah_heatmap.png"):
             tracker.artifact(PLOT_DIR / f)
+        tracker.figure(lambda: family_figure(results["tasks"], results["windows"]), "score_by_family.png")
         tracker.artifact(OUT / "comparison.md")
         tracker.artifact(OUT / "prompts.jsonl")  # every answer beside its gold: what a score of 0 wrote
         tracker.metrics({f"{c}.retention_ppl": v for c, v in results["retention_ppl"].items()})

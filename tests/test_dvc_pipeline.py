@@ -103,7 +103,10 @@ def test_dvc_repro_runs_the_stages_and_tracks_them(workspace):
     assert len(prompts) == 11 * 2 * 4
     assert "| sft |" in (ws / "reports/eval/comparison.md").read_text()
     assert runs["eval"].data.metrics["eval/sft.prompts_per_s"] > 0
-    assert "comparison.md" in {a.path for a in client.list_artifacts(runs["eval"].info.run_id)}
+    assert {"comparison.md", "score_by_family.png"} <= {a.path for a in client.list_artifacts(runs["eval"].info.run_id)}
+    # each training stage's loss curve as a figure beside its CSV
+    assert {"train_base.csv", "train_base.png"} <= {a.path for a in client.list_artifacts(runs["base"].info.run_id)}
+    assert "train_sft.png" in {a.path for a in client.list_artifacts(runs["sft"].info.run_id)}
 
 
 def readme_command(prefix: str) -> list[str]:

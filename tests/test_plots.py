@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from longctx.eval.plots import niah_figure, niah_heatmap, position_figure, score_figure
+from longctx.eval.plots import family_figure, niah_figure, niah_heatmap, position_figure, score_figure
 from longctx.ropesearch.compare import SEARCHED, factors_figure
 from longctx.ropesearch.space import Space
 
@@ -81,3 +81,25 @@ def test_loss_by_position_marks_the_training_length():
     assert [ln.get_label() for ln in lines] == ["RoPE", "SeqPE", "training length (64)"]
     assert list(lines[-1].get_xdata()) == [64, 64] and lines[-1].get_linestyle() == "--"
     assert len(position_figure(rows).axes[0].get_lines()) == 2
+
+
+def test_the_comparison_figure_has_a_panel_per_task_family():
+    scores = {"base": {"json_kv": {"512": 0.25, "2048": 0.0}, "niah_single_noise": {"512": 0.5, "2048": 0.0},
+                       "passkey": {"512": 1.0, "2048": 0.0}},
+              "sft": {"passkey": {"512": 1.0, "2048": 1.0}, "niah_single_noise": {"512": 1.0, "2048": 0.5},
+                      "json_kv": {"512": 0.0, "2048": 0.0}}}
+    fig = family_figure(scores, {"base": 512})
+    panels = [ax for ax in fig.axes if ax.get_visible()]
+    assert [ax.get_title() for ax in panels] == ["retrieval (passkey, NIAH)", "JSON KV (HELMET)"]  # RULER's order
+    retrieval = {ln.get_label(): list(ln.get_ydata()) for ln in panels[0].get_lines() if ln.get_label() in scores}
+    assert retrieval == {"base": [0.75, 0.0], "sft": [1.0, 0.75]}  # the family's mean at 512 and 2048
+    assert "Scores by task family" in fig.get_suptitle()
+
+
+def test_the_niah_grid_names_its_task_and_wraps_many_checkpoints():
+    rows = [{"task": "niah_single_noise", "checkpoint": c, "length": 512, "depth": 0.5, "score": 1.0}
+            for c in ("base", "stage1", "stage2", "sft")]
+    fig = niah_figure(rows)
+    panels = [ax for ax in fig.axes if ax.get_title()]
+    assert len(panels) == 4 and "niah_single_noise" in fig.get_suptitle()
+    assert len({round(ax.get_position().y0, 2) for ax in panels}) == 2  # two rows of two, not one long strip

@@ -6,7 +6,9 @@ a busy workspace is refused."""
 from __future__ import annotations
 
 import fcntl
+import json
 import os
+from pathlib import Path
 
 import pytest
 import yaml
@@ -71,6 +73,16 @@ def test_failure_then_resume_and_mlflow_parent_runs(tmp_path, monkeypatch, harne
     assert parents[0].data.tags["longctx.profile"] == "tiny" and parents[0].data.tags["git.commit"]
     headline = {"results/base.tasks_at_256", "results/sft.tasks_at_512", "results/sft.ppl_at_512"}
     assert headline <= set(parents[0].data.metrics)
+    # the comparison view: every checkpoint x task x length score as one table, and the family figure
+    parent_id = parents[0].info.run_id
+    assert {"results/scores.json", "results/score_by_family.png"} <= {
+        a.path for a in client.list_artifacts(parent_id, "results")}
+    table = json.loads(Path(client.download_artifacts(parent_id, "results/scores.json")).read_text())
+    assert table["columns"] == ["checkpoint", "task", "length", "score", "family"]
+    scored = {(c, t, int(n)): v for c, by in results["eval"]["tasks"].items() for t, at in by.items()
+              for n, v in at.items()}
+    assert {(c, t, n): v for c, t, n, v, _ in table["data"]} == scored
+    assert {f for *_, f in table["data"]} >= {"retrieval (passkey, NIAH)"}
     assert children(client, parents[0]) == {"eval": "FINISHED"}  # DVC skipped the finished stages
     assert os.path.isfile(ws / "metrics/eval.json")
 

@@ -14,12 +14,13 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from .config import TrackingParams
 from .errors import ConfigError, DataError
+from .plotting import pyplot
 
 MAX_PARAM_CHARS = 6000
 PARENT_ENV = "LONGCTX_MLFLOW_PARENT_RUN"
@@ -115,6 +116,16 @@ class Tracker:
 
     def text(self, text: str, name: str) -> None:
         self._record("log_text", text, name)
+
+    def figure(self, make: Callable[[], Any], name: str) -> None:
+        """A figure (`make` builds it, only when recording) as an image artifact `name`."""
+        if not self._mlflow or _server_lost:
+            return
+        fig = make()
+        try:
+            self._record("log_figure", fig, name)
+        finally:
+            pyplot().close(fig)
 
     def params(self, values: dict[str, str]) -> None:
         self._record("log_params", values)
@@ -275,9 +286,11 @@ def open_run(cfg: TrackingParams, root: Path, stage: str, name: str, tags: dict[
 
 
 def end_run(cfg: TrackingParams, root: Path, run_id: str | None, ok: bool, text: dict[str, str] | None = None,
-            metrics: dict[str, float] | None = None) -> None:
-    """Close a run from `open_run`, FINISHED or FAILED, with `text` files (name: content) attached
-    and `metrics` logged (keys as given: the caller names their section)."""
+            metrics: dict[str, float] | None = None, tables: dict[str, dict[str, list]] | None = None,
+            figures: dict[str, Callable[[], Any]] | None = None) -> None:
+    """Close a run from `open_run`, FINISHED or FAILED, with `text` files (name: content) attached,
+    `metrics` logged (keys as given: the caller names their section), `tables` (name: columns, shown
+    as tables in MLflow's artifact view) and `figures` (name: a function that builds one)."""
     if run_id is None:
         return
     from mlflow.tracking import MlflowClient
@@ -287,6 +300,12 @@ def end_run(cfg: TrackingParams, root: Path, run_id: str | None, ok: bool, text:
         client.log_text(run_id, content, name)
     for key, value in (metrics or {}).items():
         client.log_metric(run_id, key, value)
+    for name, columns in (tables or {}).items():
+        client.log_table(run_id, columns, name)
+    for name, make in (figures or {}).items():
+        fig = make()
+        client.log_figure(run_id, fig, name)
+        pyplot().close(fig)
     client.set_terminated(run_id, "FINISHED" if ok else "FAILED")
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from ..plotting import labels, pyplot, save
+from . import tasks
 from .report import BEYOND, beyond
 
 MARKERS = "osD^vP*X"
@@ -14,21 +15,47 @@ MARKERS = "osD^vP*X"
 
 def score_vs_length(scores: dict[str, dict[str, dict[int, float]]], path: Path,
                     windows: dict[str, int | None] | None = None) -> None:
-    """Mean score over tasks against context length, one line per checkpoint. Lines that would
-    lie on top of each other stay visible: each checkpoint has its own marker and a small sideways
-    offset, and a checkpoint whose scores equal an earlier one's says so in the legend. Scores
-    beyond a checkpoint's window (`windows`: checkpoint -> trained length) have hollow markers."""
+    """Mean score over tasks against context length, one line per checkpoint (`score_lines`;
+    `windows`: checkpoint -> trained length)."""
     save(score_figure(scores, windows), path)
 
 
 def score_figure(scores: dict[str, dict[str, dict[int, float]]], windows: dict[str, int | None] | None = None):
-    windows = windows or {}
     fig, ax = pyplot().subplots(figsize=(7, 4.2))
+    score_lines(ax, scores, windows or {})
+    labels(ax, "context length (tokens)", "mean task score", "Long-context tasks against length")
+    return fig
+
+
+def family_figure(scores: dict[str, dict[str, dict[int, float]]], windows: dict[str, int | None] | None = None):
+    """The comparison view: one panel per task family (tasks.FAMILIES), in each the family's mean
+    score against length, one line per checkpoint."""
+    order = [*tasks.FAMILIES, "HELMET data"]
+    families = sorted({tasks.family(t) for by_task in scores.values() for t in by_task}, key=order.index) or ["none"]
+    cols = min(2, len(families))
+    rows = -(-len(families) // cols)
+    fig, axes = pyplot().subplots(rows, cols, figsize=(5.6 * cols, 3.8 * rows), squeeze=False, layout="constrained")
+    for ax, name in zip(axes.flat, families, strict=False):
+        part = {c: {t: by for t, by in by_task.items() if tasks.family(t) == name} for c, by_task in scores.items()}
+        score_lines(ax, {c: by for c, by in part.items() if by}, windows or {})
+        labels(ax, "context length (tokens)", "mean score", name)
+    for ax in axes.flat[len(families):]:
+        ax.set_visible(False)
+    fig.suptitle("Scores by task family: each checkpoint against context length")
+    return fig
+
+
+def score_lines(ax, scores: dict[str, dict[str, dict[int, float]]], windows: dict[str, int | None]) -> None:
+    """Mean score over the given tasks against length (log2 axis), one line per checkpoint. Lines
+    that would lie on top of each other stay visible: each checkpoint has its own marker and a small
+    sideways offset, and a checkpoint whose scores equal an earlier one's says so in the legend.
+    Scores beyond a checkpoint's window have hollow markers. Lengths may be JSON's strings."""
     seen: dict[tuple, str] = {}
     hollow = False
     for i, (ckpt, by_task) in enumerate(scores.items()):
-        lengths = sorted({n for by in by_task.values() for n in by})
-        means = [float(np.mean([by[n] for by in by_task.values() if n in by])) for n in lengths]
+        lengths = sorted({int(n) for by in by_task.values() for n in by})
+        means = [float(np.mean([v for by in by_task.values() for m, v in by.items() if int(m) == n]))
+                 for n in lengths]
         key = (tuple(lengths), tuple(round(m, 6) for m in means))
         label = ckpt if key not in seen else f"{ckpt} (same as {seen[key]})"
         seen.setdefault(key, ckpt)
@@ -45,8 +72,6 @@ def score_figure(scores: dict[str, dict[str, dict[int, float]]], windows: dict[s
                 label="hollow: beyond the checkpoint's window")
     ax.set_xscale("log", base=2)
     ax.set_ylim(-0.02, 1.02)
-    labels(ax, "context length (tokens)", "mean task score", "Long-context tasks against length")
-    return fig
 
 
 def position_loss(rows: list[dict], path: Path, train_len: int | None = None) -> None:
@@ -77,12 +102,14 @@ def niah_figure(rows: list[dict], windows: dict[str, int | None] | None = None):
     windows = windows or {}
     cells = [r for r in rows if r["task"] == "niah_single_noise"]
     ckpts = list(dict.fromkeys(r["checkpoint"] for r in cells)) or ["none"]
-    fig, axes = pyplot().subplots(1, len(ckpts), figsize=(3.2 * len(ckpts) + 0.8, 3.2), squeeze=False,
+    cols = min(2, len(ckpts))
+    rows = -(-len(ckpts) // cols)
+    fig, axes = pyplot().subplots(rows, cols, figsize=(4.4 * cols + 1.0, 3.4 * rows), squeeze=False,
                                   layout="constrained")
     lengths = sorted({r["length"] for r in cells})
     depths = sorted({r["depth"] for r in cells})
     image = None
-    for ax, ckpt in zip(axes[0], ckpts, strict=True):
+    for ax, ckpt in zip(axes.flat, ckpts, strict=False):
         grid = np.full((len(depths), len(lengths)), np.nan)
         for r in cells:
             if r["checkpoint"] == ckpt:
@@ -90,12 +117,16 @@ def niah_figure(rows: list[dict], windows: dict[str, int | None] | None = None):
         image = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
         for (y, x), v in np.ndenumerate(grid):
             mark = BEYOND if beyond(windows, ckpt, lengths[x]) else ""
-            ax.text(x, y, "-" if np.isnan(v) else f"{v:.2f}{mark}", ha="center", va="center", fontsize=7)
-        ax.set_xticks(range(len(lengths)), [str(n) for n in lengths], fontsize=7)
-        ax.set_yticks(range(len(depths)), [f"{d:.2f}" for d in depths], fontsize=7)
+            ax.text(x, y, "-" if np.isnan(v) else f"{v:.2f}{mark}", ha="center", va="center", fontsize=10)
+        ax.set_xticks(range(len(lengths)), [str(n) for n in lengths], fontsize=9)
+        ax.set_yticks(range(len(depths)), [f"{d:.2f}" for d in depths], fontsize=9)
         past = bool(lengths) and beyond(windows, ckpt, lengths[-1])
-        ax.set_title(f"{ckpt} (window {windows[ckpt]}; {BEYOND} beyond)" if past else ckpt, fontsize=9)
+        ax.set_title(f"{ckpt} (window {windows[ckpt]}; {BEYOND} beyond)" if past else ckpt, fontsize=10)
         ax.set_xlabel("length")
-    axes[0][0].set_ylabel("needle depth")
-    fig.colorbar(image, ax=list(axes[0]), label="score", shrink=0.9)
+    for ax in axes.flat[len(ckpts):]:
+        ax.set_visible(False)
+    for row in axes:
+        row[0].set_ylabel("needle depth")
+    fig.suptitle("NIAH single needle in a noise haystack (niah_single_noise): score by depth and length")
+    fig.colorbar(image, ax=list(axes.flat), label="score", shrink=0.9)
     return fig

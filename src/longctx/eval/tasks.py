@@ -301,6 +301,19 @@ TASKS = tuple(BUILDERS)
 """In this order: a task's index seeds its prompts."""
 assert TASKS == EvalParams.TASKS, f"eval.tasks builds {TASKS}, config's EvalParams.TASKS lists {EvalParams.TASKS}"
 
+FAMILIES = {"retrieval (passkey, NIAH)": ("passkey", "niah_single_noise", "niah_single_text", "niah_multikey",
+                                          "niah_multivalue", "niah_multiquery"),
+            "tracing and aggregation (RULER)": ("variable_tracking", "common_words", "frequent_words"),
+            "JSON KV (HELMET)": ("json_kv",), "in-context learning (HELMET)": ("icl",)}
+"""The task families the comparison figure has one panel each for (RULER's and HELMET's groups)."""
+
+
+def family(task: str) -> str:
+    """The family a task is shown in; a HELMET data task (`helmet:<name>`) is its own family."""
+    if task.startswith("helmet:"):
+        return "HELMET data"
+    return next(name for name, members in FAMILIES.items() if task in members)
+
 
 def build(task: str, budget: Budget, rng: np.random.Generator, depth: float, text_haystack: str) -> Prompt:
     """One prompt of a task at budget.length tokens."""
