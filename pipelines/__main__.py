@@ -10,9 +10,10 @@ import sys
 import time
 from pathlib import Path
 
-from longctx.config import load
+from longctx.config import TrackingParams, load
 from longctx.errors import LongctxError
 from longctx.eval.report import BEYOND, beyond, length_means
+from longctx.tracking import experiment_id, tracking_uri
 
 # without a Prefect server, the flow starts a temporary one; a loaded 2-core machine needs longer
 # than the default 20 s, and telemetry is of no use here
@@ -93,13 +94,35 @@ def main() -> None:
     print(f"\nlongctx pipeline finished in {time.perf_counter() - start:.0f} s\n")
     print(summary(ws))
     print("\nperplexity at the longest length with validation documents; every length in metrics/eval.json")
-    print(f"open the runs:  {mlflow_ui(ws)}")
+    print("\n".join(open_runs(ws, load(ws / "params.yaml").tracking)))
 
 
-def mlflow_ui(ws: Path) -> str:
-    """The command that opens the workspace's MLflow store, quoted to paste (a path may hold spaces)."""
-    uri = f"sqlite:///{ws / 'mlflow.db'}"
+UI = "http://127.0.0.1:5000"
+"""Where `mlflow ui` serves by default."""
+
+
+def open_runs(ws: Path, tracking: TrackingParams) -> list[str]:
+    """How to see the runs: the command that serves a local store, and the address of the
+    experiment's runs table. MLflow 3.17's UI opens an experiment on its GenAI overview unless the
+    address (or the browser's saved choice) says `workflowType=machine_learning`: it reads no tag or
+    server setting for it (its `mlflow.experimentKind` is consulted only where the toggle is off)."""
+    if not tracking.enabled:
+        return ["MLflow tracking is off (params tracking.enabled)"]
+    uri = tracking_uri(tracking, ws)
+    page = runs_page(experiment_id(tracking, ws))
+    if uri.startswith(("http://", "https://")):
+        return [f"open the runs:  {uri.rstrip('/')}/{page}"]
+    return [f"open the runs:  {mlflow_ui(uri)}", f"          then:  {UI}/{page}"]
+
+
+def mlflow_ui(uri: str) -> str:
+    """The command that serves a store, quoted to paste (a path may hold spaces)."""
     return f"mlflow ui --backend-store-uri {shlex.quote(uri)}"
+
+
+def runs_page(experiment: str) -> str:
+    """The UI's address (after the server's) of an experiment's runs table, in the model-training view."""
+    return f"#/experiments/{experiment}/runs?workflowType=machine_learning"
 
 
 if __name__ == "__main__":

@@ -119,8 +119,18 @@ def test_the_parent_run_gets_the_headline_results():
     assert flows.headline(None) == {} and flows.headline({"skipped": True}) == {}
 
 
-def test_the_closing_mlflow_command_pastes_where_the_path_has_spaces(tmp_path):
-    from pipelines.__main__ import mlflow_ui
+def test_the_closing_lines_serve_the_store_and_open_the_runs_table(tmp_path):
+    """The command pastes where the path has spaces; the address opens the experiment's runs in the
+    model-training view (MLflow 3.17 opens its GenAI overview otherwise); a server's address as is."""
+    from longctx.config import TrackingParams
+    from longctx.tracking import experiment_id
+    from pipelines.__main__ import open_runs
 
     ws = tmp_path / "my runs" / "ws"
-    assert shlex.split(mlflow_ui(ws)) == ["mlflow", "ui", "--backend-store-uri", f"sqlite:///{ws}/mlflow.db"]
+    ws.mkdir(parents=True)
+    command, page = open_runs(ws, TrackingParams())
+    assert shlex.split(command.removeprefix("open the runs:")) == ["mlflow", "ui", "--backend-store-uri",
+                                                                  f"sqlite:///{ws}/mlflow.db"]
+    exp = experiment_id(TrackingParams(), ws)
+    assert page.split() == ["then:", f"http://127.0.0.1:5000/#/experiments/{exp}/runs?workflowType=machine_learning"]
+    assert open_runs(ws, TrackingParams(enabled=False)) == ["MLflow tracking is off (params tracking.enabled)"]
