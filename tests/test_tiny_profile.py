@@ -7,6 +7,7 @@ which no training document holds). About 8 minutes on 2 cores."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -38,4 +39,6 @@ def test_the_tiny_run_retrieves_beyond_the_base_window(tmp_path):
     assert retrieval("pretrain_stage2", 2048) >= retrieval("base", 2048) + 0.3, ev["tasks"]["pretrain_stage2"]
     assert "best at 2048 tokens: pretrain_" in done.stdout
     assert "0.00*" in done.stdout  # the base model's scores at 2048 are marked beyond its window
+    assert re.search(r"then:  http://127\.0\.0\.1:5000/#/experiments/\d+/runs\?workflowType=machine_learning$",
+                     done.stdout.rstrip(), re.M)  # its last line: where the run tree opens
     assert "up to date" in sh(["dvc", "status"], ws, env)  # `dvc repro` after it has nothing to do
