@@ -30,8 +30,8 @@ def test_the_gpu_profile_is_prolong_scaled_to_one_gpu():
     assert cfg.model.max_position_embeddings == 4096
     assert {s: p.seq_len for s, p in cfg.pack.splits.items()} == {"base_short": 4096, "base": 4096, "stage1": 16384,
                                                                   "stage2": 65536, "sft": 4096}
-    # the base's curriculum: short retrieval documents first (most of the steps), then across the window
-    assert [(p.split, 5 * p.steps) for p in cfg.train.base.curriculum] == [("base_short", 3 * cfg.train.base.steps)]
+    # the base's curriculum: short retrieval documents first (half the steps), then across the window
+    assert [(p.split, 2 * p.steps) for p in cfg.train.base.curriculum] == [("base_short", cfg.train.base.steps)]
     assert "retrieval" not in cfg.pack.splits["base_short"].mix and "retrieval" in cfg.pack.splits["base"].mix
     stages = cfg.train.pretrain.stages
     assert [s.split for s in stages] == ["stage1", "stage2"]
