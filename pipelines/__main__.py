@@ -75,7 +75,7 @@ def main() -> None:
     ws = Path(sys.argv[1] if len(sys.argv) > 1 else ".").resolve()
     start = time.perf_counter()
     try:  # bad params, or another run in this workspace: one line, before Prefect starts
-        load(ws / "params.yaml")
+        params = load(ws / "params.yaml")
         with workspace_lock(ws):
             pass
     except LongctxError as e:
@@ -94,7 +94,7 @@ def main() -> None:
     print(f"\nlongctx pipeline finished in {time.perf_counter() - start:.0f} s\n")
     print(summary(ws))
     print("\nperplexity at the longest length with validation documents; every length in metrics/eval.json")
-    print("\n".join(open_runs(ws, load(ws / "params.yaml").tracking)))
+    print("\n".join(open_runs(ws, params.tracking)))
 
 
 UI = "http://127.0.0.1:5000"

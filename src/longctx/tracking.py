@@ -121,11 +121,7 @@ class Tracker:
         """A figure (`make` builds it, only when recording) as an image artifact `name`."""
         if not self._mlflow or _server_lost:
             return
-        fig = make()
-        try:
-            self._record("log_figure", fig, name)
-        finally:
-            pyplot().close(fig)
+        _log_figure(lambda fig: self._record("log_figure", fig, name), make)
 
     def params(self, values: dict[str, str]) -> None:
         self._record("log_params", values)
@@ -285,6 +281,15 @@ def open_run(cfg: TrackingParams, root: Path, stage: str, name: str, tags: dict[
                              tags=run_tags(root, stage) | (tags or {})).info.run_id
 
 
+def _log_figure(log: Callable[[Any], None], make: Callable[[], Any]) -> None:
+    """Build a figure, log it, and free it whatever the logging does."""
+    fig = make()
+    try:
+        log(fig)
+    finally:
+        pyplot().close(fig)
+
+
 def end_run(cfg: TrackingParams, root: Path, run_id: str | None, ok: bool, text: dict[str, str] | None = None,
             metrics: dict[str, float] | None = None, tables: dict[str, dict[str, list]] | None = None,
             figures: dict[str, Callable[[], Any]] | None = None) -> None:
@@ -303,9 +308,7 @@ def end_run(cfg: TrackingParams, root: Path, run_id: str | None, ok: bool, text:
     for name, columns in (tables or {}).items():
         client.log_table(run_id, columns, name)
     for name, make in (figures or {}).items():
-        fig = make()
-        client.log_figure(run_id, fig, name)
-        pyplot().close(fig)
+        _log_figure(lambda fig, name=name: client.log_figure(run_id, fig, name), make)
     client.set_terminated(run_id, "FINISHED" if ok else "FAILED")
 
 
