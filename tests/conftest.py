@@ -128,6 +128,14 @@ def run_stages(folder: Path, names: list[str], overrides: dict | None = None) ->
         os.chdir(cwd)
 
 
+@pytest.fixture(autouse=True)
+def _own_tracking_uri(monkeypatch):
+    """mlflow.set_tracking_uri exports MLFLOW_TRACKING_URI for subprocesses: a test that tracks
+    in-process would otherwise point every later test's store at its own."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+
+
 @pytest.fixture(scope="session")
 def small_project(tmp_path_factory) -> Path:
     """A project folder where corpora, tokenize and pack ran on SMALL, tracked in a temp MLflow."""

@@ -498,8 +498,7 @@ def test_sigterm_stops_a_training_stage_cleanly_and_it_resumes(project_copy):
     params = merge(RESUMABLE, {"train": {"base": {"steps": 400, "checkpoint_every": 2}},
                                "tracking": {"uri": f"sqlite:///{project_copy / 'mlflow.db'}"}})
     write_params(project_copy, params)
-    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}  # (set by in-process runs)
-    env |= {"PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)]), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)]), "OMP_NUM_THREADS": "1"}
     begun = time.time() * 1000  # (the copied store holds other tests' runs)
     proc = subprocess.Popen([sys.executable, "-m", "stages.base"], cwd=project_copy, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)

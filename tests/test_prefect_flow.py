@@ -38,7 +38,6 @@ def test_failure_then_resume_and_mlflow_parent_runs(tmp_path, monkeypatch, harne
     bad = {**SMALL, "eval": {**SMALL["eval"], "lengths": [100_000]}}
     env = dvc_workspace(ws, bad)
     monkeypatch.setenv("PYTHONPATH", env["PYTHONPATH"])
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
 
     # a second run on a workspace whose lock is held is refused before doing anything
     lock = ws / ".dvc/tmp/longctx-pipeline.lock"
@@ -105,7 +104,6 @@ def test_the_flow_tracks_where_params_say(tmp_path, monkeypatch, harness):
     ws = tmp_path / "ws"
     env = dvc_workspace(ws, {**SMALL, "tracking": {"uri": "sqlite:///elsewhere.db", "experiment": "mine"}})
     monkeypatch.setenv("PYTHONPATH", env["PYTHONPATH"])
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     assert set(pipeline(str(ws), stages=["corpora"])) == {"corpora"}
     assert not (ws / "mlflow.db").exists()
     client = MlflowClient(f"sqlite:///{ws / 'elsewhere.db'}")

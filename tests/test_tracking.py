@@ -1,12 +1,16 @@
 """The workspace's MLflow store where users put it: a workspace moved (or copied) with its store
-keeps its runs' artifacts, and new runs write theirs under the new place."""
+keeps its runs' artifacts, and new runs write theirs under the new place. A stopped pipeline
+leaves no run RUNNING."""
 
 from __future__ import annotations
 
 import shutil
+import sqlite3
+
+import pytest
 
 from longctx.config import TrackingParams
-from longctx.tracking import stage_run
+from longctx.tracking import PARENT_ENV, end_run, open_run, stage_run
 
 
 def test_a_moved_workspace_keeps_its_artifacts_where_it_now_is(tmp_path, monkeypatch):
@@ -33,3 +37,30 @@ def test_a_moved_workspace_keeps_its_artifacts_where_it_now_is(tmp_path, monkeyp
         assert run.info.artifact_uri.startswith((moved / "mlartifacts").as_uri())
         local = client.download_artifacts(run.info.run_id, "note.txt", str(tmp_path))
         assert open(local).read() == text
+
+
+def test_runs_a_stopped_pipeline_left_running_end_killed(tmp_path, monkeypatch, capsys):
+    """Ctrl-C while another writer holds the store's lock (a write the signal cut short): the stage
+    still stops on the interrupt, saying its run stays RUNNING; a stage killed outright leaves its run
+    and its curriculum stage's RUNNING. The pipeline's run, ending failed, marks them all KILLED."""
+    from mlflow.tracking import MlflowClient
+
+    cfg = TrackingParams()
+    parent = open_run(cfg, tmp_path, "pipeline", "pipeline")
+    monkeypatch.setenv(PARENT_ENV, parent)
+    with pytest.raises(KeyboardInterrupt), stage_run(cfg, tmp_path, "base", {"seed": 0}) as tracker:
+        tracker.metrics({"loss": 1.0}, step=1)
+        db = sqlite3.connect(tmp_path / "mlflow.db", isolation_level=None)
+        db.execute("BEGIN IMMEDIATE")  # no other writer until it ends (MLflow waits 20 s)
+        raise KeyboardInterrupt
+    db.execute("ROLLBACK")
+    assert "tracking: the run was left RUNNING in MLflow (" in capsys.readouterr().err
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    experiment = client.get_run(parent).info.experiment_id
+    killed = client.create_run(experiment, run_name="pretrain", tags={"mlflow.parentRunId": parent}).info.run_id
+    client.create_run(experiment, run_name="pretrain_stage1", tags={"mlflow.parentRunId": killed})
+    client.create_run(experiment, run_name="another pipeline's")
+    end_run(cfg, tmp_path, parent, ok=False)
+    status = {r.info.run_name: r.info.status for r in client.search_runs([experiment])}
+    assert status == {"pipeline": "FAILED", "base": "KILLED", "pretrain": "KILLED", "pretrain_stage1": "KILLED",
+                      "another pipeline's": "RUNNING"}, status

@@ -177,7 +177,11 @@ def _ending(tracker: Tracker) -> Iterator[Tracker]:
     try:
         yield tracker
     except KeyboardInterrupt:
-        tracker.end("KILLED")
+        try:
+            tracker.end("KILLED")
+        except Exception as e:  # a store write the signal cut short can hold SQLite's lock past its timeout
+            print(f"tracking: the run was left RUNNING in MLflow ({str(e).splitlines()[0][:160]}); the "
+                  "pipeline's run marks it KILLED when it ends", file=sys.stderr)
         raise
     except BaseException:
         tracker.end("FAILED")
@@ -309,7 +313,21 @@ def end_run(cfg: TrackingParams, root: Path, run_id: str | None, ok: bool, text:
         client.log_table(run_id, columns, name)
     for name, make in (figures or {}).items():
         _log_figure(lambda fig, name=name: client.log_figure(run_id, fig, name), make)
+    if not ok:
+        _kill_leftovers(client, run_id)
     client.set_terminated(run_id, "FINISHED" if ok else "FAILED")
+
+
+def _kill_leftovers(client, parent: str) -> None:
+    """Runs under `parent` (and under those) still RUNNING when a pipeline stops short: a stage
+    killed outright, or one whose interrupted write kept it from closing its own run."""
+    running = client.search_runs([client.get_run(parent).info.experiment_id], "attributes.status = 'RUNNING'")
+    under, found = {parent}, True
+    while found:
+        found = [r for r in running if r.data.tags.get("mlflow.parentRunId") in under and r.info.run_id not in under]
+        for r in found:
+            client.set_terminated(r.info.run_id, "KILLED")
+            under.add(r.info.run_id)
 
 
 def tag_children(cfg: TrackingParams, root: Path, parent: str | None, stage: str, tags: dict[str, str]) -> None:
