@@ -3,7 +3,8 @@
 # and nothing it made (no data, metrics, checkpoints or MLflow store), the gpu-64k profile, then the
 # main command `LONGCTX_GPUS=0 python3 -m pipelines` (Prefect -> dvc repro -> stages -> MLflow).
 # Then, while time is left: `dvc status` (nothing to do) and one eval param changed, the main command
-# again (eval alone reruns). What the run made is copied to $OUT: the log with the final table,
+# again (eval alone reruns); then bench/train_throughput.py --workspace (each training stage's steps timed
+# by the benchmark's harness, against the tokens/s the stage logged). What the run made is copied to $OUT: the log with the final table,
 # dvc.lock, params.yaml, mlflow.db, and metrics/, plots/, reports/ and mlartifacts/ (no checkpoints) in
 # outputs.tar.gz.
 #   bash bench/gpu_pipeline.sh [llama|fox]      # fox: the FoX (Pro) + ACP variant, same data and tokens
@@ -59,5 +60,9 @@ if [ "$(left)" -gt 120 ]; then                 # one eval param changed: eval al
   LONGCTX_GPUS=0 timeout -k 10 "$(left)" python3 -m pipelines 2>&1 | tee "$out/pipeline_eval_changed.log"
   status=${PIPESTATUS[0]}
   collect
+fi
+if [ "$(left)" -gt 60 ]; then                  # the training stages' own steps timed by the benchmark's harness
+  timeout -k 5 "$(left)" python3 bench/train_throughput.py --workspace . --steps 3 --out "$out" 2>&1 \
+    | tail -8 | tee "$out/stage_bench.log"
 fi
 exit "$status"

@@ -9,21 +9,34 @@ where the GPU waited. Steps are timed as the loop runs them (each read after the
 beside isolated steps (the device drained before and after each).
 
     python bench/train_throughput.py --out bench/results      # on a CUDA machine
+
+With --workspace, the other way round: each training stage of a workspace the pipeline ran in, timed
+here with its own model, loop settings and packed data, beside the tokens/s its run logged (issue 32:
+the pipeline runs at the fast path's speed).
+
+    python bench/train_throughput.py --workspace <ws> --out bench/results
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
+import statistics
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
+from longctx import config
+from longctx.data.loader import training_data
+from longctx.io import read_json
 from longctx.model.attention import resolve
-from longctx.perf import measure, one_document, prepared, profile, write_result
+from longctx.perf import measure, one_document, prepared, prepared_as, profile, write_result
+from longctx.train.loop import step_batches
 from longctx.train.models import preset
-from longctx.train.parallel import Parallel
+from longctx.train.parallel import Parallel, with_sequence_parallel
 
 MODELS = {"Transformer": ("llama", False), "FoX (Pro)": ("fox", False), "FoX (Pro) + ACP": ("fox", True)}
 # (shape, tokens, activation checkpointing, compile settings)
@@ -44,7 +57,18 @@ def main() -> None:
     ap.add_argument("--step-end", nargs="*", default=["device"], choices=["device", "host"],
                     help="where a step checks the loss and clips: on the device (fused AdamW skips a bad "
                          "update) or on the host (LONGCTX_STEP_END=host); both to time them side by side")
+    ap.add_argument("--workspace", type=Path, help="time the training stages of this pipeline workspace")
     args = ap.parse_args()
+    if args.workspace:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+        rows = []
+        for row in stage_rows(args.workspace, args.steps, Parallel(device=device)):
+            rows.append(row)  # written as they come: a run cut short keeps them
+            write_result(args.out, "train_throughput_stages", {"workspace": str(args.workspace), "rows": rows}, name,
+                         quiet=True)
+        print_stages(rows, name)
+        return
     par = Parallel(device=torch.device("cuda"))
     rows = []
     for shape, tokens, recompute, compiles in SETTINGS:
@@ -104,6 +128,53 @@ def main() -> None:
                   f"{p['idle_in_long_gaps_ms']} ms of it in {p['long_gaps']} gaps over 20 us: {p['longest_gaps'][:4]}")
     print(f"FoX/Transformer tokens/s: {ratios} (FoX paper Table 6: 0.71)")
     write_result(args.out, "train_throughput", {"rows": rows, "fox_over_transformer": ratios})
+
+
+def stage_rows(ws: Path, steps: int, par: Parallel) -> Iterator[dict]:
+    """Each training stage that ran in `ws`: `steps` optimizer steps of its model, loop settings and
+    data (the steps spread over its run, curriculum phases included), timed as `measure` times them,
+    beside the median tokens/s its run logged. The first step timed is the stage's own first step
+    from the same initial weights (a base stage's), so its loss is the log's first."""
+    cfg = config.load(ws / "params.yaml")
+    vocab = int(read_json(ws / "data" / "tokens" / "index.json", "token index")["vocab_size"])
+    stages = {"base": cfg.train.base, **{f"pretrain_stage{i + 1}": s for i, s in enumerate(cfg.train.pretrain.stages)},
+              "sft": cfg.train.sft}
+    for name, stage in stages.items():
+        logs = sorted((ws / "runs" / name).glob("*/metrics.jsonl"), key=lambda f: f.stat().st_mtime)
+        if stage is None or not logs:
+            continue
+        logged = [json.loads(line) for line in logs[-1].read_text().splitlines()]
+        data = training_data(ws / "data" / "packed", stage)
+        window = max(d.seq_len for d in getattr(data, "parts", [data]))
+        model = cfg.model.as_model_config(vocab)
+        model = model.model_copy(update={"max_position_embeddings": max(window, model.max_position_embeddings)})
+        spar = with_sequence_parallel(par, stage.sequence_parallel, model.n_heads)
+        run = prepared_as(model, spar, stage, cfg.model.attention_backend)
+        stride = max(1, stage.steps // (2 + 2 * steps))
+        row = {"stage": name, "split": stage.split, "window": window, "micro_batch": stage.micro_batch,
+               "compile": stage.compile and par.device.type == "cuda", "recompute": stage.activation_checkpointing,
+               "acp": stage.acp_eps is not None, "steps_spaced_by": stride,
+               "stage_first_loss": logged[0]["loss"],
+               "stage_tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in logged[3:] or logged), 1)}
+        row |= measure(run, lambda i, data=data, stage=stage, spar=spar, stride=stride:
+                       step_batches(data, i * stride % stage.steps, stage, spar)[1], steps)
+        row["stage_over_bench"] = round(row["stage_tokens_per_s"] / row["tokens_per_s_per_gpu"], 3)
+        print({k: v for k, v in row.items() if k != "losses"}, flush=True)
+        run = None
+        if par.device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        yield row
+
+
+def print_stages(rows: list[dict], device: str) -> None:
+    print(f"\nthe pipeline's training stages against the same steps timed here ({device})")
+    print(f"{'stage':<16} {'window':>6} {'micro':>5} {'mode':<9} {'bench tok/s':>11} {'stage tok/s':>11} "
+          f"{'stage/bench':>11} {'MFU':>6}")
+    for r in rows:
+        mode = ("compiled" if r["compile"] else "eager") + ("" if r["recompute"] == "none" else "+AC")
+        print(f"{r['stage']:<16} {r['window']:>6} {r['micro_batch']:>5} {mode:<9} {r['tokens_per_s_per_gpu']:>11,.0f} "
+              f"{r['stage_tokens_per_s']:>11,.0f} {r['stage_over_bench']:>11.3f} {r.get('mfu', '-'):>6}")
 
 
 if __name__ == "__main__":

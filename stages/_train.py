@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from longctx.config import Params, RunParams, StageParams, flat
-from longctx.data.loader import Curriculum, PackedDataset
+from longctx.data.loader import PackedDataset, training_data
 from longctx.errors import DataError
 from longctx.io import atomic_dir, check_room, clear_stale, read_json, write_json
 from longctx.model.transformer import Transformer
@@ -82,10 +82,7 @@ def fit(name: str, stage: StageParams, model: Transformer, init: str, tracker, p
     """Train one stage (resuming if a run of it was interrupted) on every rank; write its loss
     curve to `plot` (CSV, a DVC plot); return the trained model, whole on every rank, and its
     summary."""
-    train_data, val_data = (PackedDataset(PACKED / stage.split / part) for part in ("train", "val"))
-    if stage.curriculum:
-        first = [(PackedDataset(PACKED / p.split / "train"), p.steps) for p in stage.curriculum]
-        train_data = Curriculum([*first, (train_data, stage.steps)])
+    train_data, val_data = training_data(PACKED, stage), PackedDataset(PACKED / stage.split / "val")
     folder = run_folder(name, stage, model, init)
     if par.main:
         weights = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -2,19 +2,25 @@
 the benchmarks and the stages use (meta device: no memory), the recomputation policies and
 compiled blocks compute exactly the eager model's loss and gradients (one graph shared by all
 blocks, one recompile when document boundaries first change, no graph breaks), the loss keeps
-its value without gradients, and the new training keys are validated."""
+its value without gradients, and the new training keys are validated. The stage-timing bench
+times a stage's own steps."""
 
 from __future__ import annotations
 
+import json
 import os
+import statistics
+import subprocess
+import sys
 from collections import Counter
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from conftest import REPO, SMALL, stage_process
 from longctx import config
-from longctx.config import ModelParams
+from longctx.config import ModelParams, merge
 from longctx.errors import ConfigError
 from longctx.model.config import PRESETS, FoxConfig, ModelConfig, RopeConfig
 from longctx.model.fox import Acp
@@ -275,3 +281,27 @@ def test_idle_gaps_find_where_the_gpu_waited():
     assert got["long_gaps"] == 2 and got["idle_in_long_gaps_ms"] == pytest.approx(0.35)
     assert got["longest_gaps"][0] == {"ms": 0.25, "at_ms": 0.45, "after": "side", "before": "norm"}
     assert got["longest_gaps"][1] == {"ms": 0.1, "at_ms": 0.0, "after": "(step start)", "before": "embed"}
+
+
+def test_the_stage_bench_times_a_stages_own_steps(project_copy, tmp_path):
+    """bench/train_throughput.py --workspace times each stage that ran with its own model, settings
+    and data: its first timed step is the base stage's first (the same loss from the same weights
+    and samples), and the stage's tokens/s is its run's median after the first steps."""
+    params = merge(SMALL, {"train": {"base": {"steps": 8}}, "tracking": {"enabled": False}})
+    assert stage_process(project_copy, "base", params).returncode == 0
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), str(REPO)]), "OMP_NUM_THREADS": "1"}
+    bench = [sys.executable, str(REPO / "bench" / "train_throughput.py"), "--workspace", str(project_copy)]
+    done = subprocess.run([*bench, "--steps", "1", "--out", str(out)], cwd=project_copy, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [result] = out.glob("train_throughput_stages-cpu-*.json")
+    [row] = json.loads(result.read_text())["rows"]  # (the other stages did not run)
+    [log] = (project_copy / "runs" / "base").glob("*/metrics.jsonl")
+    logged = [json.loads(line) for line in log.read_text().splitlines()]
+    assert row["stage"] == "base" and row["window"] == 256 and row["micro_batch"] == 2
+    assert row["losses"][0] == pytest.approx(logged[0]["loss"], rel=1e-5)
+    median = statistics.median(r["tokens_per_s"] for r in logged[3:])
+    assert row["stage_tokens_per_s"] == pytest.approx(median, rel=1e-3)
+    assert row["stage_over_bench"] == pytest.approx(row["stage_tokens_per_s"] / row["tokens_per_s_per_gpu"], rel=1e-2)
+    assert "stage/bench" in done.stdout

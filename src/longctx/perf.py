@@ -64,12 +64,17 @@ def prepared(cfg: ModelConfig, par: Parallel, *, compile: bool, recompute: str =
              offload: bool = False, backend: str = "auto", lr: float = 1e-4) -> Run:
     """A fresh model of `cfg` made on the device and prepared by the training loop's own
     `prepare` (FSDP2 mixed precision, compiled blocks, checkpointing, ACP)."""
+    return prepared_as(cfg, par, RunParams(steps=1, lr=lr, compile=compile, activation_checkpointing=recompute,
+                                           acp_eps=ACP_EPS if acp else None, offload=offload), backend)
+
+
+def prepared_as(cfg: ModelConfig, par: Parallel, loop: RunParams, backend: str = "auto") -> Run:
+    """A fresh model of `cfg` (initialised from `loop.seed`, as a base stage's) prepared with a
+    training stage's own loop settings."""
     torch._dynamo.reset()  # graphs of another shape must not turn this one's sizes dynamic
-    train_cfg = RunParams(steps=1, lr=lr, compile=compile, activation_checkpointing=recompute,
-                            acp_eps=ACP_EPS if acp else None, offload=offload)
-    model = build(cfg, backend, device=par.device)
-    prepare(model, train_cfg, par)
-    return Run(model, adamw(model, train_cfg.lr, train_cfg.betas, train_cfg.weight_decay), par, train_cfg)
+    model = build(cfg, backend, loop.seed, par.device)
+    prepare(model, loop, par)
+    return Run(model, adamw(model, loop.lr, loop.betas, loop.weight_decay), par, loop)
 
 
 def measure(run: Run, batches, steps: int, warmup: int = 2) -> dict:

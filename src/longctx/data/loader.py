@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..errors import DataError
 from ..io import read_json, sampled_digest
 from .pack import SEG_DTYPE
+
+if TYPE_CHECKING:
+    from ..config import StageParams
 
 
 @dataclass(frozen=True)
@@ -128,3 +132,12 @@ class Curriculum:
     def provenance(self, i: int) -> list[dict]:
         k, j = self._locate(i)
         return [{"split": self.parts[k].folder.parent.name} | seg for seg in self.parts[k].provenance(j)]
+
+
+def training_data(packed: Path, stage: StageParams) -> PackedDataset | Curriculum:
+    """What a training stage trains on: its split's train part, after its curriculum's splits."""
+    data = PackedDataset(packed / stage.split / "train")
+    if not stage.curriculum:
+        return data
+    return Curriculum([*((PackedDataset(packed / p.split / "train"), p.steps) for p in stage.curriculum),
+                       (data, stage.steps)])

@@ -125,6 +125,15 @@ def make_batch(data: PackedDataset | Curriculum, samples: list[int], device: tor
                  int((labels != IGNORE).sum()))
 
 
+def step_batches(data: PackedDataset | Curriculum, step: int, cfg: RunParams,
+                 par: Parallel) -> tuple[list[int], list[Batch]]:
+    """A step's samples, and this rank's micro-batches of them on its device."""
+    samples = step_samples(data, step, cfg.micro_batch * cfg.grad_accum, cfg.seed)
+    costs = [attention_cost(data[i].cu_seqlens) for i in samples]
+    mine = schedule(samples, costs, cfg.micro_batch, par.dp)[par.dp_rank]
+    return samples, [make_batch(data, ids, par.device, par.sp) for ids in mine]
+
+
 def packed_batch(ids: torch.Tensor, cu_seqlens: torch.Tensor, device: torch.device, samples: list[int]) -> Batch:
     """One packed sequence of host ids and boundaries as a Batch: next-token labels within each
     document, ids and labels on `device`, boundaries kept on the host."""
@@ -408,10 +417,7 @@ def train(model: Transformer, data: PackedDataset | Curriculum, cfg: RunParams, 
     bar = progress(total=cfg.steps, initial=start, desc="train", unit="step") if par.main else None
     for step in range(start, cfg.steps):
         timer = _StepTimer(device)
-        samples = step_samples(data, step, per_step, cfg.seed)
-        costs = [attention_cost(data[i].cu_seqlens) for i in samples]
-        mine = schedule(samples, costs, cfg.micro_batch, par.dp)[par.dp_rank]
-        micro = [make_batch(data, ids, device, par.sp) for ids in mine]
+        samples, micro = step_batches(data, step, cfg, par)
         lr = lr_at(step, cfg.steps, cfg.lr, cfg.warmup, cfg.lr_min)
         for g in opt.param_groups:
             g["lr"] = lr
