@@ -133,7 +133,8 @@ def main() -> None:
 def stage_rows(ws: Path, steps: int, par: Parallel) -> Iterator[dict]:
     """Each training stage that ran in `ws`: `steps` optimizer steps of its model, loop settings and
     data (the steps spread over its run, curriculum phases included), timed as `measure` times them,
-    beside the median tokens/s its run logged. The first step timed is the stage's own first step
+    beside the tokens/s its run achieved (wall clock after its first steps, checkpoints included;
+    and the median of its steps' own timers). The first step timed is the stage's own first step
     from the same initial weights (a base stage's), so its loss is the log's first."""
     cfg = config.load(ws / "params.yaml")
     vocab = int(read_json(ws / "data" / "tokens" / "index.json", "token index")["vocab_size"])
@@ -154,8 +155,8 @@ def stage_rows(ws: Path, steps: int, par: Parallel) -> Iterator[dict]:
         row = {"stage": name, "split": stage.split, "window": window, "micro_batch": stage.micro_batch,
                "compile": stage.compile and par.device.type == "cuda", "recompute": stage.activation_checkpointing,
                "acp": stage.acp_eps is not None, "steps_spaced_by": stride,
-               "stage_first_loss": logged[0]["loss"],
-               "stage_tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in logged[3:] or logged), 1)}
+               "stage_first_loss": logged[0]["loss"], "stage_tokens_per_s": wall_rate(logged[2:]),
+               "stage_step_tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in logged[3:] or logged), 1)}
         row |= measure(run, lambda i, data=data, stage=stage, spar=spar, stride=stride:
                        step_batches(data, i * stride % stage.steps, stage, spar)[1], steps)
         row["stage_over_bench"] = round(row["stage_tokens_per_s"] / row["tokens_per_s_per_gpu"], 3)
@@ -167,14 +168,21 @@ def stage_rows(ws: Path, steps: int, par: Parallel) -> Iterator[dict]:
         yield row
 
 
+def wall_rate(rows: list[dict]) -> float:
+    """Tokens per wall-clock second between logged steps (a resumed run's clock starts again)."""
+    pairs = [(b["tokens"], b["wall_s"] - a["wall_s"]) for a, b in itertools.pairwise(rows) if b["wall_s"] > a["wall_s"]]
+    return round(sum(t for t, _ in pairs) / sum(s for _, s in pairs), 1)
+
+
 def print_stages(rows: list[dict], device: str) -> None:
     print(f"\nthe pipeline's training stages against the same steps timed here ({device})")
     print(f"{'stage':<16} {'window':>6} {'micro':>5} {'mode':<9} {'bench tok/s':>11} {'stage tok/s':>11} "
-          f"{'stage/bench':>11} {'MFU':>6}")
+          f"{'stage/bench':>11} {'steps alone':>11} {'MFU':>6}")
     for r in rows:
         mode = ("compiled" if r["compile"] else "eager") + ("" if r["recompute"] == "none" else "+AC")
         print(f"{r['stage']:<16} {r['window']:>6} {r['micro_batch']:>5} {mode:<9} {r['tokens_per_s_per_gpu']:>11,.0f} "
-              f"{r['stage_tokens_per_s']:>11,.0f} {r['stage_over_bench']:>11.3f} {r.get('mfu', '-'):>6}")
+              f"{r['stage_tokens_per_s']:>11,.0f} {r['stage_over_bench']:>11.3f} "
+              f"{r['stage_step_tokens_per_s']:>11,.0f} {r.get('mfu', '-'):>6}")
 
 
 if __name__ == "__main__":

@@ -396,7 +396,8 @@ def train(model: Transformer, data: PackedDataset | Curriculum, cfg: RunParams, 
         tokens = int(par.sum(sum(b.ids.numel() for b in f.micro))) // par.sp
         rec = {"step": f.step + 1, "loss": total, "lr": f.lr, "grad_norm": grad_norm, "tokens": tokens,
                "valid_tokens": valid, "tokens_per_s": tokens / seconds,
-               "tokens_per_s_per_rank": tokens / seconds / par.world}
+               "tokens_per_s_per_rank": tokens / seconds / par.world,
+               "wall_s": time.perf_counter() - began}  # (since this process began training: all it cost)
         rec |= f.queued.metrics()
         if model.acp is not None:
             rec["acp_pruned_fraction"] = par.sum(pruned(f.acp)) / par.world
@@ -415,6 +416,7 @@ def train(model: Transformer, data: PackedDataset | Curriculum, cfg: RunParams, 
         return rec
 
     bar = progress(total=cfg.steps, initial=start, desc="train", unit="step") if par.main else None
+    began = time.perf_counter()
     for step in range(start, cfg.steps):
         timer = _StepTimer(device)
         samples, micro = step_batches(data, step, cfg, par)
