@@ -313,13 +313,14 @@ def _job(job: tuple[str, Variant, argparse.Namespace]) -> dict:
 
 
 def score_checkpoints(args: argparse.Namespace) -> list[dict]:
-    """A stage's saved models (models/<name>), loaded as the eval stage loads them, scored here."""
+    """A stage's saved models (models/<name>), loaded as the eval stage loads them, scored here; an
+    SFT model (a folder named sft) asked in the chat template, as the eval asks it."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     tok = TextTokenizer.load(args.tokens / "tokenizer")
-    enc = Encoder(tok, chat=False)
-    prompts = task_prompts(enc, args.lengths, args.prompts)
     out = []
     for folder in args.score:
+        enc = Encoder(tok, chat=folder.name == "sft")
+        prompts = task_prompts(enc, args.lengths, args.prompts)
         model = load_model(folder).to(device).eval()
         row = {"step": 0, "tokens": 0} | score_rows(model, enc, prompts, args.lengths, device, device.type == "cuda")
         print(folder, json.dumps(row), flush=True)

@@ -40,7 +40,9 @@ SMALL = {
     "pack": {"val_fraction": 0.1, "splits": {
         "base": {"seq_len": 256},
         "stage1": {"seq_len": 512},
-        "stage2": {"seq_len": 2048, "chunk_len": 512, "lengths": {
+        "stage2": {"seq_len": 2048, "chunk_len": 512,  # (shares that chunk lengths can meet at this size)
+                   "mix": {"code_repos": 0.2, "books": 0.2, "textbooks": 0.03, "shortmix": 0.17, "retrieval_long": 0.4},
+                   "lengths": {
             "code_repos": {8192: None, 2048: 0.5, 512: 0.5},
             "books": {8192: None, 2048: 0.17, 512: 0.83},
             "textbooks": {8192: None, 2048: 1.0}}},

@@ -111,13 +111,16 @@ def test_short_data_carry_over_loses_no_token(small_project):
 
 
 def test_sft_tails_are_dropped_and_masks_mark_assistant_turns(small_project):
+    """Conversations: the loss on assistant turns; retrieval documents replayed among them (the tiny
+    profile's SFT mix): the loss on every token."""
     ds = PackedDataset(small_project / "data/packed/sft/train")
     tok = TextTokenizer.load(small_project / "data/tokens/tokenizer")
     reader = ShardReader(small_project / "data/tokens/chat")
+    replayed = ShardReader(small_project / "data/tokens/retrieval_long")
     table = pq.read_table(small_project / "data/corpora/chat.parquet").to_pylist()
     by_key = {doc_key(r["id"]): r["messages"] for r in table}
     end = tok.tok.token_to_id("<|end|>")
-    truncated = whole = 0
+    truncated = whole = replays = 0
     for i in range(len(ds)):
         sample = ds[i]
         segs = ds.segments[ds.seq_segments[i]:ds.seq_segments[i + 1]]
@@ -125,6 +128,12 @@ def test_sft_tails_are_dropped_and_masks_mark_assistant_turns(small_project):
         for j, s in enumerate(segs):
             n, doc = int(s["length"]), int(s["doc"])
             assert s["start"] == 0  # every conversation starts at its beginning: no carried tail
+            if ds.domains[s["domain"]] == "retrieval_long":
+                assert sample.loss_mask[pos:pos + n].all()
+                assert (sample.input_ids[pos:pos + n] == replayed.tokens(doc, 0, n)).all()
+                replays += 1
+                pos += n
+                continue
             full = int(reader.docs[doc]["length"])
             if n < full:
                 assert j == len(segs) - 1  # only the last conversation of a chunk is cut
@@ -139,9 +148,9 @@ def test_sft_tails_are_dropped_and_masks_mark_assistant_turns(small_project):
                     f"{r}<|end|>\n" for r in replies)
                 assert ids[mask].tolist().count(end) == len(replies)
             pos += n
-    assert truncated > 0 and whole > 0
+    assert truncated > 0 and whole > 0 and replays > 0
     # the cut-off tails appear nowhere: each conversation is used at most once
-    docs = [int(s["doc"]) for s in ds.segments]
+    docs = [(int(s["domain"]), int(s["doc"])) for s in ds.segments]
     assert len(docs) == len(set(docs))
 
 

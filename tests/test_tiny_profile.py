@@ -2,7 +2,8 @@
 checkpoint is scored at every length, and the scores show what long-context training did. The
 base model retrieves inside its 512-token window and not at 2,048 tokens; the last long-context
 stage retrieves at 2,048 (issue 18's gap, on the eval's own passkey and NIAH-single prompts,
-which no training document holds). About 8 minutes on 2 cores."""
+which no training document holds); the SFT checkpoint still retrieves at 512 and 2,048. The main
+command's time on 2 cores (13-22 minutes)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def test_the_tiny_run_retrieves_beyond_the_base_window(tmp_path):
     env = dvc_workspace(ws, yaml.safe_load((REPO / "params.yaml").read_text()))
     env["PREFECT_HOME"] = str(tmp_path / "prefect")
     done = subprocess.run([sys.executable, "-m", "pipelines", str(ws)], cwd=ws, env=env, capture_output=True,
-                          text=True, timeout=1500)
+                          text=True, timeout=2400)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     ev = json.loads((ws / "metrics/eval.json").read_text())
 
@@ -37,7 +38,9 @@ def test_the_tiny_run_retrieves_beyond_the_base_window(tmp_path):
     assert retrieval("base", 512) >= 0.5, ev["tasks"]["base"]
     assert retrieval("base", 2048) <= 0.3, ev["tasks"]["base"]
     assert retrieval("pretrain_stage2", 2048) >= retrieval("base", 2048) + 0.3, ev["tasks"]["pretrain_stage2"]
-    assert "best at 2048 tokens: pretrain_" in done.stdout
+    for length in (512, 2048):  # SFT keeps what long-context training taught (ProLong's finding)
+        assert all(ev["tasks"]["sft"][t][str(length)] >= 0.8 for t in RETRIEVAL), ev["tasks"]["sft"]
+    assert re.search(r"best at 2048 tokens: (pretrain_stage\d|sft)\b", done.stdout)
     assert "0.00*" in done.stdout  # the base model's scores at 2048 are marked beyond its window
     assert re.search(r"then:  http://127\.0\.0\.1:5000/#/experiments/\d+/runs\?workflowType=machine_learning$",
                      done.stdout.rstrip(), re.M)  # its last line: where the run tree opens

@@ -31,8 +31,9 @@ def consistent(params: Params) -> None:
             raise ValueError(f"{where}.chunk_len: {base} must divide seq_len {split.seq_len}")
         mix = params.flat_mix(name)
         kinds = {domains[d].kind for d in mix}
-        if "sft" in kinds and len(kinds) > 1:
-            raise ValueError(f"{where}.mix: sft domains cannot be mixed with {kinds - {'sft'}}")
+        if "sft" in kinds and kinds - {"sft", "whole"}:
+            raise ValueError(f"{where}.mix: sft domains mix with whole documents only (replayed with the loss on "
+                             f"every token), not {sorted(kinds - {'sft', 'whole'})}")
         for d, shares in split.lengths.items():
             if d not in mix:
                 raise ValueError(f"{where}.lengths.{d}: not in this split's mix")

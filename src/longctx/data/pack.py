@@ -289,8 +289,8 @@ def write_split(plan: SplitPlan, folder: Path, domains: list[str], dtype: np.dty
                 reader = src.pool.reader
                 for doc, start, n in src.segments(length, k):
                     buf[pos:pos + n] = reader.tokens(doc, start, start + n)
-                    if fmask:
-                        mbuf[pos:pos + n] = reader.mask(doc, start, start + n)
+                    if fmask:  # (whole documents replayed among conversations: the loss on every token)
+                        mbuf[pos:pos + n] = reader.mask(doc, start, start + n) if src.pool.kind == "sft" else 1
                     segs.append((doc, start, n, domain_id[d]))
                     pos += n
                 per_domain[d] += length
