@@ -49,7 +49,7 @@ def test_a_variant_trains_scores_and_reports(small_project, tmp_path):
 
 def test_the_pack_stages_splits_feed_a_curriculum_and_saved_models_are_scored(small_project, tmp_path):
     """Variant.splits reads the pack stage's splits in turn (short_first of the steps from the first);
-    --score loads a saved model as the eval stage does and scores it."""
+    --score loads a saved model as the eval stage does and scores it, an sft model in the chat template."""
     from longctx.data.loader import PackedDataset
     from longctx.model.config import ModelConfig
     from longctx.train.models import build, save_model
@@ -67,12 +67,15 @@ def test_the_pack_stages_splits_feed_a_curriculum_and_saved_models_are_scored(sm
     tok = small_project / "data/tokens/tokenizer"
     model = build(ModelConfig(vocab_size=TextTokenizer.load(tok).vocab_size, d_model=32, n_layers=1, n_heads=2,
                               ffn_dim=64, max_position_embeddings=256), "sdpa", 0, "cpu")
-    save_model(model, tmp_path / "model", tok)
+    for name in ("model", "sft"):  # (the same weights: an sft model is asked in the chat template)
+        save_model(model, tmp_path / name, tok)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "bench/tiny_retrieval.py", "--tokens", str(small_project / "data/tokens"),
-           "--score", str(tmp_path / "model"), "--prompts", "2", "--lengths", "256", "--out", str(tmp_path)]
+           "--score", str(tmp_path / "model"), str(tmp_path / "sft"), "--prompts", "2", "--lengths", "256",
+           "--out", str(tmp_path)]
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     (path,) = tmp_path.glob("tiny_retrieval-cpu-*.json")
-    (result,) = json.loads(path.read_text())["results"]
-    assert result["variant"] == str(tmp_path / "model") and result["rows"][0]["nll_256"] > 0
+    plain, chat = json.loads(path.read_text())["results"]
+    assert plain["variant"] == str(tmp_path / "model") and plain["rows"][0]["nll_256"] > 0
+    assert chat["variant"] == str(tmp_path / "sft") and chat["rows"][0]["nll_256"] != plain["rows"][0]["nll_256"]
