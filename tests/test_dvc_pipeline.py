@@ -127,7 +127,7 @@ def test_the_readme_experiment_takes_the_searched_factors(workspace):
     ran = set(re.findall(r"Running stage '(\w+)'", out))
     assert "pretrain" in ran and "pack" in ran and not {"corpora", "tokenize"} & ran, ran
     params = yaml.safe_load((ws / "params.yaml").read_text())  # the experiment, applied to the workspace
-    assert params["pack"]["splits"]["stage1"]["mix"] == {"books": 0.3, "code_repos": 0.1}
+    assert params["pack"]["splits"]["stage1"]["mix"] == {"books": 0.24, "code_repos": 0.1}
     searched = json.loads((ws / "models/rope_search/factors.json").read_text())
     rope = json.loads((ws / "models/pretrain/stage2/longctx_config.json").read_text())["model"]["rope"]
     assert rope["type"] == "longrope" and rope["long_factor"] == searched["long_factor"]

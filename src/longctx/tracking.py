@@ -180,8 +180,9 @@ def _ending(tracker: Tracker) -> Iterator[Tracker]:
         try:
             tracker.end("KILLED")
         except Exception as e:  # a store write the signal cut short can hold SQLite's lock past its timeout
-            print(f"tracking: the run was left RUNNING in MLflow ({str(e).splitlines()[0][:160]}); the "
-                  "pipeline's run marks it KILLED when it ends", file=sys.stderr)
+            then = "; the pipeline's run marks it KILLED when it ends" if os.environ.get(PARENT_ENV) else ""
+            print(f"tracking: the run was left RUNNING in MLflow ({str(e).splitlines()[0][:160]}){then}",
+                  file=sys.stderr)
         raise
     except BaseException:
         tracker.end("FAILED")
