@@ -536,7 +536,8 @@ def test_ctrl_c_on_the_main_command_stops_it_in_seconds_and_records_the_flow_run
     env = dvc_workspace(ws, merge(RESUMABLE, {"train": {"base": {"steps": 400}}}))
     env |= {"PREFECT_HOME": str(tmp_path / "prefect"), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "pipelines", str(ws)], cwd=ws, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                            preexec_fn=_terminal_sigint)
     deadline = time.time() + 400
     while not (ws / "data" / "corpora").is_dir() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.1)
@@ -565,6 +566,12 @@ def test_ctrl_c_on_the_main_command_stops_it_in_seconds_and_records_the_flow_run
     assert tasks == {"dvc repro corpora": "COMPLETED", "dvc repro tokenize": "COMPLETED",
                      "dvc repro pack": "COMPLETED", "dvc repro base": "CRASHED"}, tasks
     assert not Path(f"/proc/{again[0]}").exists()  # the server went with the command
+
+
+def _terminal_sigint() -> None:
+    """SIGINT as a terminal's foreground command has it: a suite started in the background (`cmd &`
+    in a script, nohup) runs with SIGINT ignored, which its children would inherit."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _children(pid: int, marker: str) -> list[int]:
