@@ -4,7 +4,8 @@
 # main command `LONGCTX_GPUS=0 python3 -m pipelines` (Prefect -> dvc repro -> stages -> MLflow).
 # Then, while time is left: `dvc status` (nothing to do) and one eval param changed, the main command
 # again (eval alone reruns); then bench/train_throughput.py --workspace (each training stage's steps timed
-# by the benchmark's harness, against the tokens/s the stage logged). What the run made is copied to $OUT: the log with the final table,
+# by the benchmark's harness, against the tokens/s the stage logged). What the run made is copied to
+# $OUT: the log with the final table,
 # dvc.lock, params.yaml, mlflow.db, and metrics/, plots/, reports/ and mlartifacts/ (no checkpoints) in
 # outputs.tar.gz.
 #   bash bench/gpu_pipeline.sh [llama|fox]      # fox: the FoX (Pro) + ACP variant, same data and tokens

@@ -155,7 +155,8 @@ def stage_rows(ws: Path, steps: int, par: Parallel) -> Iterator[dict]:
         row = {"stage": name, "split": stage.split, "window": window, "micro_batch": stage.micro_batch,
                "compile": stage.compile and par.device.type == "cuda", "recompute": stage.activation_checkpointing,
                "acp": stage.acp_eps is not None, "steps_spaced_by": stride,
-               "stage_first_loss": logged[0]["loss"], "stage_tokens_per_s": wall_rate(logged[2:]),
+               "stage_first_loss": logged[0]["loss"],
+               "stage_tokens_per_s": wall_rate(logged[2:] if len(logged) > 3 else logged),
                "stage_step_tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in logged[3:] or logged), 1)}
         row |= measure(run, lambda i, data=data, stage=stage, spar=spar, stride=stride:
                        step_batches(data, i * stride % stage.steps, stage, spar)[1], steps)
@@ -169,9 +170,10 @@ def stage_rows(ws: Path, steps: int, par: Parallel) -> Iterator[dict]:
 
 
 def wall_rate(rows: list[dict]) -> float:
-    """Tokens per wall-clock second between logged steps (a resumed run's clock starts again)."""
+    """Tokens per wall-clock second between logged steps (a resumed run's clock starts again); NaN
+    for a run of one step."""
     pairs = [(b["tokens"], b["wall_s"] - a["wall_s"]) for a, b in itertools.pairwise(rows) if b["wall_s"] > a["wall_s"]]
-    return round(sum(t for t, _ in pairs) / sum(s for _, s in pairs), 1)
+    return round(sum(t for t, _ in pairs) / sum(s for _, s in pairs), 1) if pairs else float("nan")
 
 
 def print_stages(rows: list[dict], device: str) -> None:
