@@ -6,6 +6,7 @@
 # mix: domain=share,... for base_short (the rest of the profile as it is); fields: the bench's Variant
 # fields joined by + (short_first: the share of the 500 steps on base_short; seed). Default: the stdlib's
 # short text instead of code, and code again with another seed (how far one run's scores are noise).
+# A variant with `splits=` among its fields trains on the bench's generated sequences (text: modules) instead.
 # Earlier runs (bench/results/base-diag-nvidia-h100-2026-11-27/, bench/tiny_retrieval_notes.md):
 #   run 1: the base stage itself = the bench's loop on the same splits (no fault in the stage's path);
 #   run 2: base_short's code 20% -> 5%: passkey / NIAH-single @4K 0.00 -> 0.62 / 0.00 (300 short steps: 0.38).
@@ -55,7 +56,7 @@ for v in "${variants[@]}"; do
   IFS=: read -r name mix fields <<< "$v"
   ws=/tmp/longctx-diag-${mix//[=,]/_}
   (cd "$ws" && PYTHONPATH=$ws/src:$PYTHONPATH python3 bench/tiny_retrieval.py --tokens data/tokens --packed data/packed \
-     --evals 2 --lengths 512 4096 --prompts 8 --variants base100m_packed --set ${fields//+/ } \
+     --text modules --evals 2 --lengths 512 4096 --prompts 8 --variants base100m_packed --set ${fields//+/ } \
      > "$out/$name.log" 2>&1) &
 done
 wait

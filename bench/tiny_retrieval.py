@@ -177,6 +177,8 @@ def synthetic_sequences(tok: TextTokenizer, v: Variant, n: int) -> list[Sequence
 def text_sequences(readers: list[ShardReader], seq_len: int, n: int) -> list[Sequence]:
     """Real short documents concatenated and cut every seq_len tokens (carry-over)."""
     out, ids, lens = [], [], []
+    if n <= 0:
+        return out
     for reader in itertools.cycle(readers):
         for d in range(len(reader.docs)):
             doc = reader.tokens(d).astype(np.int64)
@@ -330,7 +332,7 @@ def score_checkpoints(args: argparse.Namespace) -> list[dict]:
 
 def _parse(kind: str, value: str):
     if kind.startswith("tuple"):
-        return tuple(value.split(","))
+        return tuple(x for x in value.split(",") if x)  # "splits=": none (generated sequences)
     return {"int": int, "float": float, "str": str, "bool": lambda x: x.lower() in ("1", "true")}[kind](value)
 
 
