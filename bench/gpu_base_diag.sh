@@ -7,6 +7,7 @@
 # fields joined by + (short_first: the share of the 500 steps on base_short; seed). Default: the stdlib's
 # short text instead of code, and code again with another seed (how far one run's scores are noise).
 # A variant with `splits=` among its fields trains on the bench's generated sequences (text: modules) instead.
+# SPLIT_DIGITS=1: every variant with the tokenizer trained to one token a digit.
 # Earlier runs (bench/results/base-diag-nvidia-h100-2026-11-27/, bench/tiny_retrieval_notes.md):
 #   run 1: the base stage itself = the bench's loop on the same splits (no fault in the stage's path);
 #   run 2: base_short's code 20% -> 5%: passkey / NIAH-single @4K 0.00 -> 0.62 / 0.00 (300 short steps: 0.38).
@@ -30,6 +31,8 @@ import yaml
 p = yaml.safe_load(open('params.yaml'))
 p['profile'] = 'gpu-64k'
 p['tracking'] = {'enabled': False}
+if os.environ.get('SPLIT_DIGITS'):
+    p['tokenize'] = {'tokenizer': {'train': {'split_digits': True}}}
 if os.environ['MIX']:
     mix = {d: float(s) for d, s in (kv.split('=') for kv in os.environ['MIX'].split(','))}
     profile = yaml.safe_load(open('src/longctx/profiles/gpu-64k.yaml'))['pack']['splits']['base_short']['mix']
