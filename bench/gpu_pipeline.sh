@@ -5,9 +5,10 @@
 # Then, while time is left: `dvc status` (nothing to do) and one eval param changed, the main command
 # again (eval alone reruns); then bench/train_throughput.py --workspace (each training stage's steps timed
 # by the benchmark's harness, against the tokens/s the stage logged). What the run made is copied to
-# $OUT: the log with the final table,
-# dvc.lock, params.yaml, mlflow.db, and metrics/, plots/, reports/ and mlartifacts/ (no checkpoints) in
-# outputs.tar.gz.
+# $OUT in at most 7 files (the device returns 8): pipeline.log (the device, then the main command's output
+# with the final table), mlflow.db, outputs.tar.gz (dvc.lock, params.yaml, and metrics/, plots/, reports/
+# and mlartifacts/ without checkpoints), dvc_status.log, pipeline_eval_changed.log, stage_bench.log and the
+# stage bench's JSON.
 #   bash bench/gpu_pipeline.sh [llama|fox]      # fox: the FoX (Pro) + ACP variant, same data and tokens
 # PROFILE: another profile (tiny: the same steps on a CPU). LIMIT: seconds for the whole script (default
 # 560; the main command gets what is left, then 10 s to stop). Carry .whl (bench/gpu_wheels.py) where
@@ -44,12 +45,13 @@ fi
 git init -q && git add -A && git -c user.name=longctx -c user.email=longctx@localhost commit -qm workspace
 left() { echo $(( limit - ($(date +%s) - begin) )); }
 collect() {  # (the device returns a limited number of files: the folders travel as one archive)
-  cp dvc.lock params.yaml mlflow.db "$out"/ 2>/dev/null
-  tar --exclude="*.safetensors" -czf "$out/outputs.tar.gz" metrics plots reports mlartifacts 2>/dev/null
+  cp mlflow.db "$out"/ 2>/dev/null
+  tar --exclude="*.safetensors" -czf "$out/outputs.tar.gz" dvc.lock params.yaml metrics plots reports mlartifacts \
+    2>/dev/null
   du -sh "$out"/mlflow.db "$out"/outputs.tar.gz 2>/dev/null
 }
-{ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || nproc; } | tee "$out/device.txt"
-LONGCTX_GPUS=0 timeout -k 10 "$(left)" python3 -m pipelines 2>&1 | tee "$out/pipeline.log"
+{ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || nproc; } | tee "$out/pipeline.log"
+LONGCTX_GPUS=0 timeout -k 10 "$(left)" python3 -m pipelines 2>&1 | tee -a "$out/pipeline.log"
 status=${PIPESTATUS[0]}
 echo "main command: exit $status after $(( $(date +%s) - begin )) s" | tee -a "$out/pipeline.log"
 collect
@@ -57,7 +59,7 @@ collect
 dvc status 2>&1 | tee "$out/dvc_status.log"   # right after a finished run: nothing to do
 if [ "$(left)" -gt 120 ]; then                 # one eval param changed: eval alone reruns
   sed -i "s/^eval: {}$/eval: {retention_sequences: 4}/" params.yaml
-  dvc status 2>&1 | tee "$out/dvc_status_eval_changed.log"
+  { echo "== eval.retention_sequences changed"; dvc status 2>&1; } | tee -a "$out/dvc_status.log"
   LONGCTX_GPUS=0 timeout -k 10 "$(left)" python3 -m pipelines 2>&1 | tee "$out/pipeline_eval_changed.log"
   status=${PIPESTATUS[0]}
   collect
