@@ -8,6 +8,7 @@
 # short text instead of code, and code again with another seed (how far one run's scores are noise).
 # A variant with `splits=` among its fields trains on the bench's generated sequences (text: modules) instead.
 # SPLIT_DIGITS=1: every variant with the tokenizer trained to one token a digit.
+# EVALS: scorings over each variant's run (default 2: half-way and at the end).
 # Earlier runs (bench/results/base-diag-nvidia-h100-2026-11-27/, bench/tiny_retrieval_notes.md):
 #   run 1: the base stage itself = the bench's loop on the same splits (no fault in the stage's path);
 #   run 2: base_short's code 20% -> 5%: passkey / NIAH-single @4K 0.00 -> 0.62 / 0.00 (300 short steps: 0.38).
@@ -59,7 +60,7 @@ for v in "${variants[@]}"; do
   IFS=: read -r name mix fields <<< "$v"
   ws=/tmp/longctx-diag-${mix//[=,]/_}
   (cd "$ws" && PYTHONPATH=$ws/src:$PYTHONPATH python3 bench/tiny_retrieval.py --tokens data/tokens --packed data/packed \
-     --text modules --evals 2 --lengths 512 4096 --prompts 8 --variants base100m_packed --set ${fields//+/ } \
+     --text modules --evals "${EVALS:-2}" --lengths 512 4096 --prompts 8 --variants base100m_packed --set ${fields//+/ } \
      > "$out/$name.log" 2>&1) &
 done
 wait
