@@ -24,9 +24,16 @@ def workspace(tmp_path_factory) -> tuple[Path, dict]:
     return ws, env
 
 
-def test_dvc_repro_runs_the_stages_and_tracks_them(workspace):
+@pytest.fixture(scope="module")
+def finished(workspace) -> tuple[Path, dict, str]:
+    """The workspace after one whole `dvc repro` (and its output): what every test here starts
+    from, so each also runs alone."""
     ws, env = workspace
-    out = sh(["dvc", "repro"], ws, env)
+    return ws, env, sh(["dvc", "repro"], ws, env)
+
+
+def test_dvc_repro_runs_the_stages_and_tracks_them(finished):
+    ws, env, out = finished
     for stage in ("corpora", "tokenize", "pack", "base", "rope_search", "pretrain", "sft", "eval"):
         assert f"Running stage '{stage}'" in out
     for ckpt in ("base", "pretrain_stage1", "pretrain_stage2", "sft"):  # each checkpoint's scores as they come
@@ -117,10 +124,10 @@ def readme_command(prefix: str) -> list[str]:
     return argv[:argv.index("&&")] if "&&" in argv else argv
 
 
-def test_the_readme_experiment_takes_the_searched_factors(workspace):
+def test_the_readme_experiment_takes_the_searched_factors(finished):
     """README's `dvc exp run -S ...` as written: the searched factors reach pretraining, the new
     stage-1 mix reaches pack (every stage after it reads data/packed), the data before it stays."""
-    ws, env = workspace
+    ws, env, _ = finished
     sh(["git", "add", "-A"], ws, env)
     sh(["git", "commit", "-qm", "finished run"], ws, env)
     out = sh(readme_command("dvc exp run -S ++train.pretrain.factors=search"), ws, env)
@@ -144,8 +151,8 @@ def test_the_readme_experiment_takes_the_searched_factors(workspace):
     sh(["dvc", "queue", "remove", "--all"], ws, env)
 
 
-def test_a_pack_param_reruns_pack_alone(workspace):
-    ws, env = workspace
+def test_a_pack_param_reruns_pack_alone(finished):
+    ws, env, _ = finished
     sh(["git", "add", "-A"], ws, env)
     sh(["git", "commit", "-qm", "lock", "--allow-empty"], ws, env)  # (nothing new after the experiment test)
     assert "up to date" in sh(["dvc", "status"], ws, env)
@@ -165,10 +172,10 @@ def test_a_pack_param_reruns_pack_alone(workspace):
     assert not any(f"Running stage '{s}'" in out for s in ("corpora", "tokenize", "pack", "base", "pretrain"))
 
 
-def test_rerunning_a_stage_leaves_the_next_ones_up_to_date(workspace):
+def test_rerunning_a_stage_leaves_the_next_ones_up_to_date(finished):
     """A forced rerun writes the same bytes (no timings in DVC outputs; training resumes its
     finished run), so no later stage becomes stale."""
-    ws, env = workspace
+    ws, env, _ = finished
     sh(["dvc", "repro"], ws, env)
     for stage in ("corpora", "tokenize", "pack", "base", "rope_search", "pretrain", "sft"):
         sh(["dvc", "repro", "-f", "--single-item", stage], ws, env)
