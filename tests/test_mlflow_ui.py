@@ -5,6 +5,7 @@ Chromium: Debian's package (`.ci/run` installs it where it can); without it the 
 
 from __future__ import annotations
 
+import gzip
 import os
 import re
 import shutil
@@ -21,7 +22,7 @@ import pytest
 from conftest import REPO
 from pipelines.__main__ import mlflow_ui, runs_page
 
-STORE = REPO / "bench/results/pipeline-gpu-nvidia-h100-2026-11-27/llama-run9/mlflow.db"
+STORE = REPO / "bench/results/pipeline-gpu-nvidia-h100-2026-11-27/llama-run9/mlflow.db.gz"  # gzipped for the carry
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync"]
@@ -38,7 +39,8 @@ def page_text(url: str, profile) -> str:
 @pytest.mark.slow
 @pytest.mark.skipif(CHROMIUM is None, reason="no Chromium (Debian package chromium)")
 def test_the_printed_address_opens_the_run_tree(tmp_path):
-    shutil.copy(STORE, tmp_path / "mlflow.db")
+    with gzip.open(STORE) as packed, open(tmp_path / "mlflow.db", "wb") as store:
+        shutil.copyfileobj(packed, store)
     with sqlite3.connect(tmp_path / "mlflow.db") as db:
         (experiment,) = db.execute("select experiment_id from experiments where name = 'longctx'").fetchone()
         (parent,) = db.execute("select r.name from runs r join tags t on t.run_uuid = r.run_uuid "
