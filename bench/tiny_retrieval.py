@@ -21,6 +21,7 @@ import itertools
 import json
 import multiprocessing
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -260,25 +261,20 @@ def task_prompts(enc: Encoder, lengths: list[int], per_task: int) -> list[tasks.
     return build_prompts(enc, ["passkey", "niah_single_noise"], lengths, per_task, depths, 1, "")
 
 
-def run(name: str, v: Variant, tok: TextTokenizer, data: Packed | FromSplits, device: torch.device,
-        evals: int, lengths: list[int], per_task: int) -> dict:
-    """Train one variant, scoring `evals` times along the way; its rows."""
-    cfg = ModelConfig(vocab_size=tok.vocab_size, d_model=v.d_model, n_layers=v.n_layers, n_heads=v.n_heads,
-                      ffn_dim=v.ffn_dim, max_position_embeddings=v.seq_len, rope=RopeConfig(theta=v.theta))
+def fit(model, v: Variant, data: Packed | FromSplits, device: torch.device,
+        on_eval: Callable[[int, float], None] | None = None, evals: int = 0) -> None:
+    """Train `model` in place for v.steps steps of v.batch sequences (the variant's path and
+    schedule), calling on_eval(step, loss) `evals` times along the way, in eval mode."""
     if v.path not in ("fp32", "stage"):
         raise ValueError(f"path: {v.path!r} is not fp32 or stage")
     stage = v.path == "stage"
-    model = build(cfg, v.backend or ("auto" if stage else "sdpa"), v.seed, device)
     par = Parallel(device=device)
     if stage:
         prepare(model, RunParams(steps=v.steps, micro_batch=v.batch, lr=v.lr, seed=v.seed, compile=v.compile), par)
     opt = adamw(model, v.lr, (0.9, 0.95), v.weight_decay)
-    enc = Encoder(tok, chat=False)
-    prompts = task_prompts(enc, lengths, per_task)
     at = {round(v.steps * (i + 1) / evals) for i in range(evals)}
-    rows, t0, train_s = [], time.perf_counter(), 0.0
+    model.train()
     for step in range(v.steps):
-        s0 = time.perf_counter()
         b = make_batch(data, list(range(step * v.batch, (step + 1) * v.batch)), device)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, v.steps, v.lr, v.warmup, v.lr_min)
@@ -290,15 +286,37 @@ def run(name: str, v: Variant, tok: TextTokenizer, data: Packed | FromSplits, de
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
-        train_s += time.perf_counter() - s0
-        if step + 1 in at:
+        if on_eval is not None and step + 1 in at:
             model.eval()
-            row = {"step": step + 1, "tokens": (step + 1) * v.batch * v.seq_len, "loss": float(loss.detach()),
-                   "train_s": train_s}
-            row |= score_rows(model, enc, prompts, lengths, device, stage and device.type == "cuda")
+            on_eval(step + 1, float(loss.detach()))
             model.train()
-            rows.append(row)
-            print(name, json.dumps(row), flush=True)
+    model.eval()
+
+
+def new_model(v: Variant, tok: TextTokenizer, device: torch.device):
+    cfg = ModelConfig(vocab_size=tok.vocab_size, d_model=v.d_model, n_layers=v.n_layers, n_heads=v.n_heads,
+                      ffn_dim=v.ffn_dim, max_position_embeddings=v.seq_len, rope=RopeConfig(theta=v.theta))
+    return build(cfg, v.backend or ("auto" if v.path == "stage" else "sdpa"), v.seed, device)
+
+
+def run(name: str, v: Variant, tok: TextTokenizer, data: Packed | FromSplits, device: torch.device,
+        evals: int, lengths: list[int], per_task: int) -> dict:
+    """Train one variant, scoring `evals` times along the way; its rows."""
+    model = new_model(v, tok, device)
+    enc = Encoder(tok, chat=False)
+    prompts = task_prompts(enc, lengths, per_task)
+    rows, t0, scoring_s = [], time.perf_counter(), [0.0]
+
+    def on_eval(step: int, loss: float) -> None:
+        start = time.perf_counter()
+        row = {"step": step, "tokens": step * v.batch * v.seq_len, "loss": loss,
+               "train_s": start - t0 - scoring_s[0]}  # the training alone
+        row |= score_rows(model, enc, prompts, lengths, device, v.path == "stage" and device.type == "cuda")
+        rows.append(row)
+        print(name, json.dumps(row), flush=True)
+        scoring_s[0] += time.perf_counter() - start
+
+    fit(model, v, data, device, on_eval, evals)
     return {"variant": name, **dataclasses.asdict(v), "rows": rows, "seconds": time.perf_counter() - t0}
 
 

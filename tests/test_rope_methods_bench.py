@@ -1,0 +1,50 @@
+"""bench/rope_methods.py at a toy shape on the small project's data: a base trained at W, the search,
+every method zero-shot and fine-tuned, scored at W, 4W and 8W; the JSON holds each method's whole
+setting and scores, the targets are computed from the fine-tuned rows, and the figure is written."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+from conftest import REPO
+
+
+def test_every_method_is_scored_zero_shot_and_fine_tuned(small_project, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    cmd = [sys.executable, "-m", "bench.rope_methods", "--tokens", str(small_project / "data/tokens"),
+           "--long", str(small_project / "data/packed/stage2/val"), "--packed", str(small_project / "data/packed"),
+           "--seeds", "0", "--base", "steps=8", "batch=4", "seq_len=64", "d_model=32", "n_layers=1", "n_heads=2",
+           "ffn_dim=64", "--tune", "steps=3", "batch=2", "--search", "population=4", "generations=1",
+           "sequences=1", "table_sequences=2", "--prompts", "1", "--out", str(tmp_path)]
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    (path,) = tmp_path.glob("rope_methods-cpu-*.json")
+    out = json.loads(path.read_text())
+    assert path.with_suffix(".png").stat().st_size > 10_000
+    (r,) = out["results"]
+    assert out["window"] == 64 and list(r["methods"]) == ["original", "pi", "ntk", "yarn", "base_change", "longrope2"]
+    pi, yarn = r["methods"]["pi"], r["methods"]["yarn"]
+    assert np.allclose(pi["factors"], 4.0) and yarn["attention_factor"] > 1.0  # each method's own setting at 4W
+    for m in r["methods"].values():
+        zero, tuned = m["zero_shot"], m["tuned"]
+        for row in (zero, tuned):
+            assert all(0 <= row[f"passkey_{n}"] <= 1 for n in (64, 256, 512))
+            assert np.isfinite(row["needle_ppl"]) and row["needle_ppl_interval"][0] <= row["needle_ppl_interval"][1]
+            assert len(row["position_curve"]) == 64 and row["short_loss"] > 0
+        assert tuned["short_loss"] != zero["short_loss"]  # the fine-tune moved the weights
+    # the original RoPE is the base itself: its zero-shot loss by position inside W is the base's
+    t = r["targets"]
+    ours = r["methods"]["longrope2"]["tuned"]
+    assert t["needle_ppl_4W"]["longrope2"] == ours["needle_ppl"]
+    assert t["needle_ppl_4W"]["best_baseline"] == min(m["tuned"]["needle_ppl"] for k, m in r["methods"].items()
+                                                      if k != "longrope2")
+    assert t["needle_ppl_4W"]["met"] == (ours["needle_ppl"] <= t["needle_ppl_4W"]["best_baseline"])
+    assert "targets:" in done.stdout and "longrope2" in done.stdout
+    bad = subprocess.run(cmd[:5] + ["--search", "populaton=4"], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode != 0 and "populaton" in bad.stderr
