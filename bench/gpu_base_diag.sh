@@ -20,12 +20,10 @@ variants=("$@")
                                         modules5_seed1:modules=0.05,retrieval_short=0.95:short_first=0.5+seed=1
                                         code5_seed1:code_repos=0.05,retrieval_short=0.95:short_first=0.5+seed=1)
 source bench/gpu_env.sh || exit 1
-root=$PWD
+source bench/gpu_diag_lib.sh
 t0=$(date +%s)
 workspace() {  # folder, base_short mix ("" = the profile's)
-  rm -rf "$1" && mkdir -p "$1"
-  (cd "$root" && tar --exclude=./.git --exclude=./.whl --exclude=./data --exclude=./bench/work \
-     --exclude=./bench/results -cf - .) | tar -xf - -C "$1"
+  copy_project "$1"
   (cd "$1" && MIX=$2 python3 -c "
 import os
 import yaml
@@ -39,9 +37,6 @@ if os.environ['MIX']:
     profile = yaml.safe_load(open('src/longctx/profiles/gpu-64k.yaml'))['pack']['splits']['base_short']['mix']
     p['pack'] = {'splits': {'base_short': {'mix': dict.fromkeys(profile) | mix}}}  # null drops the profile's
 yaml.safe_dump(p, open('params.yaml', 'w'), sort_keys=False)")
-}
-stage() {  # folder, stage, log name
-  (cd "$1" && PYTHONPATH=$1/src:$PYTHONPATH python3 -m stages.$2 > "$out/$3.log" 2>&1) || { tail -20 "$out/$3.log"; return 1; }
 }
 data=/tmp/longctx-diag-data
 workspace $data "" && stage $data corpora corpora && stage $data tokenize tokenize || exit 1

@@ -13,13 +13,11 @@ out=$(realpath -m "${OUT:-bench/results/stage-diag}")
 mkdir -p "$out"
 [ $# -gt 0 ] || { echo "usage: gpu_stage_diag.sh name:key=value,... ..." >&2; exit 2; }
 source bench/gpu_env.sh || exit 1
-root=$PWD
+source bench/gpu_diag_lib.sh
 profile=${PROFILE:-gpu-64k}
 t0=$(date +%s)
 workspace() {  # folder, overrides
-  rm -rf "$1" && mkdir -p "$1"
-  (cd "$root" && tar --exclude=./.git --exclude=./.whl --exclude=./data --exclude=./models --exclude=./bench/work \
-     --exclude=./bench/results -cf - .) | tar -xf - -C "$1"
+  copy_project "$1"
   (cd "$1" && PROFILE=$profile SET=${COMMON:+$COMMON,}$2 python3 -c "
 import os
 import yaml
@@ -39,9 +37,6 @@ for kv in filter(None, os.environ['SET'].split(',')):
         node = node.setdefault(part, {})
     node[path[-1]] = yaml.safe_load(value)
 yaml.safe_dump(p, open('params.yaml', 'w'), sort_keys=False)")
-}
-stage() {  # folder, stage, log name
-  (cd "$1" && PYTHONPATH=$1/src:$PYTHONPATH python3 -m stages.$2 > "$out/$3.log" 2>&1) || { tail -20 "$out/$3.log"; return 1; }
 }
 data=/tmp/longctx-stage-diag
 workspace $data "" || exit 1

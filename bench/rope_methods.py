@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bench.tiny_retrieval import Variant, _parse, fit, new_model, score_rows, task_prompts, training_data
+from bench.tiny_retrieval import Variant, fit, new_model, score_rows, task_prompts, training_data, variant_fields
 from longctx.config.schema import RopeSearchParams
 from longctx.data.loader import PackedDataset
 from longctx.data.shards import ShardReader
@@ -79,7 +79,6 @@ def score(model, rope, s: Scoring, device: torch.device) -> dict:
     row["position_curve"] = [float(c.mean()) for c in np.array_split(curve, 64)]  # 64 points to 8W
     row["short_loss"] = needle.plain_nll(model, s.short_docs)
     return row
-
 
 
 def scoring(tok: TextTokenizer, long: PackedDataset, held_out: list, w: int, prompts: int, seed: int) -> Scoring:
@@ -195,14 +194,6 @@ def table(results: list[dict], w: int) -> str:
     return "\n".join(lines)
 
 
-def variant_fields(pairs: list[str], what: str) -> dict:
-    types = {f.name: f.type for f in dataclasses.fields(Variant)}
-    unknown = [kv.split("=", 1)[0] for kv in pairs if kv.split("=", 1)[0] not in types]
-    if unknown:
-        raise SystemExit(f"{what}: unknown fields {unknown} (known: {sorted(types)})")
-    return {k: _parse(types[k], v) for k, v in (kv.split("=", 1) for kv in pairs)}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=Path, default=Path("data/tokens"), help="a tokenize stage's output")
@@ -218,8 +209,11 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16, help="prompts per task and length")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    args.base = dataclasses.replace(BASE, **variant_fields(args.base, "--base"))
-    args.tune = TUNE | variant_fields(args.tune, "--tune")
+    try:
+        args.base = dataclasses.replace(BASE, **variant_fields(args.base))
+        args.tune = TUNE | variant_fields(args.tune)
+    except ValueError as e:
+        ap.error(f"--base / --tune: {e}")
     search = {"population": 16, "generations": 8, "sequences": 4, "table_sequences": 16}
     try:  # (pydantic reads "8" as 8 and names an unknown or bad field)
         args.search = RopeSearchParams(**search | dict(kv.split("=", 1) for kv in args.search))

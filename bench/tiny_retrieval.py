@@ -305,16 +305,17 @@ def run(name: str, v: Variant, tok: TextTokenizer, data: Packed | FromSplits, de
     model = new_model(v, tok, device)
     enc = Encoder(tok, chat=False)
     prompts = task_prompts(enc, lengths, per_task)
-    rows, t0, scoring_s = [], time.perf_counter(), [0.0]
+    rows, t0, scoring_s = [], time.perf_counter(), 0.0
 
     def on_eval(step: int, loss: float) -> None:
+        nonlocal scoring_s
         start = time.perf_counter()
         row = {"step": step, "tokens": step * v.batch * v.seq_len, "loss": loss,
-               "train_s": start - t0 - scoring_s[0]}  # the training alone
+               "train_s": start - t0 - scoring_s}  # the training alone
         row |= score_rows(model, enc, prompts, lengths, device, v.path == "stage" and device.type == "cuda")
         rows.append(row)
         print(name, json.dumps(row), flush=True)
-        scoring_s[0] += time.perf_counter() - start
+        scoring_s += time.perf_counter() - start
 
     fit(model, v, data, device, on_eval, evals)
     return {"variant": name, **dataclasses.asdict(v), "rows": rows, "seconds": time.perf_counter() - t0}
@@ -354,6 +355,15 @@ def _parse(kind: str, value: str):
     return {"int": int, "float": float, "str": str, "bool": lambda x: x.lower() in ("1", "true")}[kind](value)
 
 
+def variant_fields(pairs: list[str]) -> dict:
+    """FIELD=VALUE pairs as typed Variant fields (ValueError naming unknown ones)."""
+    types = {f.name: f.type for f in dataclasses.fields(Variant)}
+    unknown = [kv.split("=", 1)[0] for kv in pairs if kv.split("=", 1)[0] not in types]
+    if unknown:
+        raise ValueError(f"unknown fields {unknown} (known: {sorted(types)})")
+    return {k: _parse(types[k], v) for k, v in (kv.split("=", 1) for kv in pairs)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=Path, default=Path("data/tokens"))
@@ -369,11 +379,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch threads per process (0: torch's default)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    types = {f.name: f.type for f in dataclasses.fields(Variant)}
-    unknown = [kv.split("=", 1)[0] for kv in args.set if kv.split("=", 1)[0] not in types]
-    if unknown:
-        ap.error(f"--set: unknown fields {unknown} (known: {sorted(types)})")
-    overrides = {k: _parse(types[k], v) for k, v in (kv.split("=", 1) for kv in args.set)}
+    try:
+        overrides = variant_fields(args.set)
+    except ValueError as e:
+        ap.error(f"--set: {e}")
     jobs = [(n, dataclasses.replace(VARIANTS[n], **overrides), args) for n in args.variants]
     if args.score:
         results = score_checkpoints(args)

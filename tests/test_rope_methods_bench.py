@@ -37,7 +37,6 @@ def test_every_method_is_scored_zero_shot_and_fine_tuned(small_project, tmp_path
             assert np.isfinite(row["needle_ppl"]) and row["needle_ppl_interval"][0] <= row["needle_ppl_interval"][1]
             assert len(row["position_curve"]) == 64 and row["short_loss"] > 0
         assert tuned["short_loss"] != zero["short_loss"]  # the fine-tune moved the weights
-    # the original RoPE is the base itself: its zero-shot loss by position inside W is the base's
     t = r["targets"]
     ours = r["methods"]["longrope2"]["tuned"]
     assert t["needle_ppl_4W"]["longrope2"] == ours["needle_ppl"]
