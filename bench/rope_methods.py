@@ -101,12 +101,15 @@ def one_seed(seed: int, args: argparse.Namespace, tok: TextTokenizer, readers: l
     model = new_model(base_v, tok, device)
     fit(model, base_v, training_data(base_v, tok, readers, args.packed), device)
     base_s = time.perf_counter() - t0
+    print(f"seed {seed}: base trained in {base_s:.0f} s", flush=True)
     rs = args.search.model_copy(update={"seed": seed})
     space = Space(model.cfg.dim_head, base_v.theta, w, 4 * w, rs.factor_max, rs.critical_max, rs.search_attention)
     needles = needle_sets(long, tok, space, rs)
+    t1 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         found = search_and_compare(model, space, long, tok, rs, needles, 16 * base_v.theta, [4 * w],
                                    Path(tmp) / "state.json")
+    print(f"seed {seed}: searched and compared in {time.perf_counter() - t1:.0f} s", flush=True)
     s = scoring(tok, long, needles[1], w, args.prompts, seed)
     # documents of 120 characters up to ~4W tokens: short ones run the original RoPE under LongRoPE2's factors
     tune_v = dataclasses.replace(base_v, seq_len=4 * w, max_chars=int(4 * w * args.chars_per_token), **args.tune)
@@ -118,10 +121,12 @@ def one_seed(seed: int, args: argparse.Namespace, tok: TextTokenizer, readers: l
         use_rope(tuned, rope, 4 * w)
         t1 = time.perf_counter()
         fit(tuned, tune_v, tune_data, device)
+        t2 = time.perf_counter()
         methods[name] = {"zero_shot": score(model, rope, s, device), "tuned": score(tuned, rope, s, device),
-                         "tune_s": time.perf_counter() - t1, "factors": found.factors[name],
+                         "tune_s": t2 - t1, "score_s": time.perf_counter() - t2, "factors": found.factors[name],
                          "attention_factor": found.attention[name]}
-        print(f"seed {seed} {name}: zero-shot {json.dumps(row_summary(methods[name]['zero_shot'], w))}, "
+        print(f"seed {seed} {name} (tuned in {t2 - t1:.0f} s, scored in {time.perf_counter() - t2:.0f} s): zero-shot "
+              f"{json.dumps(row_summary(methods[name]['zero_shot'], w))}, "
               f"tuned {json.dumps(row_summary(methods[name]['tuned'], w))}", flush=True)
     return {"seed": seed, "base_s": base_s, "search": found.summary, "search_table": found.table,
             "methods": methods, "targets": targets(methods, w)}

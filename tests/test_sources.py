@@ -107,6 +107,28 @@ def test_missing_and_empty_sources(tmp_path):
         corpora.build(cfg, tmp_path)
 
 
+def test_domains_built_side_by_side_write_the_same_bytes(tmp_path):
+    """num_workers > 1 collects domains in spawned processes: the same files and manifest as one
+    process, and a worker's DataError reaches the caller naming its domain."""
+    (tmp_path / "web.jsonl").write_text("".join(json.dumps({"text": f"document {i} " * 50}) + "\n" for i in range(40)))
+    domains = {"web": {"kind": "short", "sources": [{"path": str(tmp_path / "web.jsonl")}]},
+               "retrieval": {"kind": "whole", "sources": [{"synthetic": {"formats": ["passkey", "kv"], "min_chars": 200,
+                                                                          "max_chars": 900}, "max_bytes": 60_000}]},
+               "repos": {"kind": "long", "sources": [{"builtin": "stdlib_repos", "max_bytes": 300_000}]}}
+    manifests = {}
+    for workers in (1, 3):
+        out = tmp_path / f"w{workers}"
+        out.mkdir()
+        manifests[workers] = corpora.build(CorporaParams(domains=domains, num_workers=workers), out)
+    assert manifests[1] == manifests[3] and manifests[1]["domains"]["retrieval"]["docs"] > 10
+    for domain in domains:
+        assert (tmp_path / f"w1/{domain}.parquet").read_bytes() == (tmp_path / f"w3/{domain}.parquet").read_bytes()
+    (tmp_path / "blank.jsonl").write_text("\n")
+    broken = domains | {"web": {"kind": "short", "sources": [{"path": str(tmp_path / "blank.jsonl")}]}}
+    with pytest.raises(DataError, match=r"corpora\.domains\.web: source path .*blank\.jsonl yielded no documents"):
+        corpora.build(CorporaParams(domains=broken, num_workers=3), tmp_path / "w3")
+
+
 def test_sft_conversations_are_validated(tmp_path):
     good = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     f = tmp_path / "chat.jsonl"

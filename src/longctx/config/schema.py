@@ -122,6 +122,9 @@ class CorporaParams(Strict):
     """Local files with bytes that are not UTF-8: replace them with U+FFFD (counted in the
     manifest) or reject the file."""
     domains: dict[str, DomainParams] = Field(min_length=1)
+    num_workers: NonNegativeInt = 1
+    """Domains collected side by side in worker processes (1: one after another in the stage's
+    process). The output does not depend on it: each domain's documents are seeded on their own."""
 
 
 # ---------------------------------------------------------------- tokenize

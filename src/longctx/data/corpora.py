@@ -6,9 +6,11 @@ as documents stream in, so memory does not grow with the corpus.
 
 from __future__ import annotations
 
+import multiprocessing
 import platform
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -17,7 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from ..config import CorporaParams
+from ..config import CorporaParams, DomainParams
 from ..errors import DataError
 from .sources import Doc, describe, iter_docs
 
@@ -88,34 +90,45 @@ def build(cfg: CorporaParams, out: Path) -> dict:
         "packages": {p: _version(p) for p in ("datasets", "pyarrow", "tokenizers")},
         "domains": {},
     }
-    for domain, spec in cfg.domains.items():
-        stats = DomainStats()
-        sources = []
-        writer = _Writer(out / f"{domain}.parquet", spec.kind)
-        bar = tqdm(desc=f"corpora {domain}", unit="doc", leave=False, mininterval=1.0)
-        try:
-            for source in spec.sources:
-                name = describe(source)
-                n0, b0 = stats.docs, stats.bytes
-                for doc in iter_docs(source, spec.kind, cfg.seed, cfg.invalid_utf8):
-                    if not (doc.text or doc.messages):
-                        continue
-                    writer.add(domain, name, doc)
-                    stats.docs += 1
-                    stats.bytes += doc.nbytes
-                    if doc.replaced:
-                        stats.replaced_chars += doc.replaced
-                        stats.docs_with_replacements += 1
-                    bar.update()
-                if stats.docs == n0:
-                    raise DataError(f"corpora.domains.{domain}: source {name} yielded no documents")
-                sources.append({**source.model_dump(exclude_defaults=True), "docs": stats.docs - n0,
-                                "bytes": stats.bytes - b0})
-        finally:
-            bar.close()
-            writer.close()
-        manifest["domains"][domain] = {"kind": spec.kind, "sources": sources, **vars(stats)}
+    jobs = [(domain, spec, out, cfg.seed, cfg.invalid_utf8) for domain, spec in cfg.domains.items()]
+    workers = min(cfg.num_workers, len(jobs))
+    if workers > 1:  # spawned: a forked pyarrow or tokenizers thread pool can deadlock the child
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            entries = list(pool.map(_build_domain, *zip(*jobs, strict=True)))
+    else:
+        entries = [_build_domain(*job) for job in jobs]
+    manifest["domains"] = dict(zip(cfg.domains, entries, strict=True))
     return manifest
+
+
+def _build_domain(domain: str, spec: DomainParams, out: Path, seed: int, invalid_utf8: str) -> dict:
+    """One domain's parquet file from its sources; its manifest entry."""
+    stats = DomainStats()
+    sources = []
+    writer = _Writer(out / f"{domain}.parquet", spec.kind)
+    bar = tqdm(desc=f"corpora {domain}", unit="doc", leave=False, mininterval=1.0)
+    try:
+        for source in spec.sources:
+            name = describe(source)
+            n0, b0 = stats.docs, stats.bytes
+            for doc in iter_docs(source, spec.kind, seed, invalid_utf8):
+                if not (doc.text or doc.messages):
+                    continue
+                writer.add(domain, name, doc)
+                stats.docs += 1
+                stats.bytes += doc.nbytes
+                if doc.replaced:
+                    stats.replaced_chars += doc.replaced
+                    stats.docs_with_replacements += 1
+                bar.update()
+            if stats.docs == n0:
+                raise DataError(f"corpora.domains.{domain}: source {name} yielded no documents")
+            sources.append({**source.model_dump(exclude_defaults=True), "docs": stats.docs - n0,
+                            "bytes": stats.bytes - b0})
+    finally:
+        bar.close()
+        writer.close()
+    return {"kind": spec.kind, "sources": sources, **vars(stats)}
 
 
 def read_docs(path: Path, kind: str, batch_rows: int = 256,
