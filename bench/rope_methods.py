@@ -25,6 +25,7 @@ import dataclasses
 import json
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +49,10 @@ BASE = Variant(steps=1000, batch=16, seq_len=512, d_model=512, n_layers=8, n_hea
 TUNE = {"steps": 120, "batch": 8, "lr": 2e-4, "lr_min": 2e-5}
 """The fine-tune at 4W, the same for every method (Variant fields over the base's)."""
 METHODS = ("original", "pi", "ntk", "yarn", "base_change", SEARCHED)
+RUN_ORDER = (SEARCHED, "yarn", "ntk", "base_change", "pi", "original")
+"""The order they are tuned in: the method under test and its closest rivals first, so that a run
+cut short by its time limit still holds the comparison that matters (each method's rows are
+written as they come: `partial`)."""
 
 
 @dataclasses.dataclass
@@ -93,8 +98,9 @@ def scoring(tok: TextTokenizer, long: PackedDataset, held_out: list, w: int, pro
 
 
 def one_seed(seed: int, args: argparse.Namespace, tok: TextTokenizer, readers: list[ShardReader],
-             long: PackedDataset, device: torch.device) -> dict:
-    """Base, search, then every method zero-shot and fine-tuned, for one seed."""
+             long: PackedDataset, device: torch.device, partial: Callable[[dict], None]) -> dict:
+    """Base, search, then every method zero-shot and fine-tuned, for one seed; `partial` gets the
+    seed's result so far after each method."""
     base_v = dataclasses.replace(args.base, seed=seed)
     w = base_v.seq_len
     t0 = time.perf_counter()
@@ -115,7 +121,7 @@ def one_seed(seed: int, args: argparse.Namespace, tok: TextTokenizer, readers: l
     tune_v = dataclasses.replace(base_v, seq_len=4 * w, max_chars=int(4 * w * args.chars_per_token), **args.tune)
     tune_data = training_data(tune_v, tok, readers, args.packed)
     methods = {}
-    for name in METHODS:
+    for name in RUN_ORDER:
         rope = found.ropes[name]
         tuned = copy.deepcopy(model)
         use_rope(tuned, rope, 4 * w)
@@ -128,6 +134,9 @@ def one_seed(seed: int, args: argparse.Namespace, tok: TextTokenizer, readers: l
         print(f"seed {seed} {name} (tuned in {t2 - t1:.0f} s, scored in {time.perf_counter() - t2:.0f} s): zero-shot "
               f"{json.dumps(row_summary(methods[name]['zero_shot'], w))}, "
               f"tuned {json.dumps(row_summary(methods[name]['tuned'], w))}", flush=True)
+        partial({"seed": seed, "base_s": base_s, "search": found.summary, "search_table": found.table,
+                 "methods": methods})
+    methods = {m: methods[m] for m in METHODS}
     return {"seed": seed, "base_s": base_s, "search": found.summary, "search_table": found.table,
             "methods": methods, "targets": targets(methods, w)}
 
@@ -229,15 +238,24 @@ def main() -> None:
     tok = TextTokenizer.load(args.tokens / "tokenizer")
     readers = [ShardReader(args.tokens / d) for d in args.text]
     long = PackedDataset(args.long)
-    results = [one_seed(seed, args, tok, readers, long, device) for seed in args.seeds]
     w = args.base.seq_len
+    fields = {"window": w, "base": dataclasses.asdict(args.base), "tune": args.tune,
+              "chars_per_token": args.chars_per_token, "search": args.search.model_dump(), "prompts": args.prompts}
+    device_name = None if torch.cuda.is_available() else "cpu"
+    results: list[dict] = []
+
+    def partial(seed_so_far: dict) -> None:  # a run stopped by its time limit keeps what it measured
+        if args.out:
+            write_result(args.out, "rope_methods-partial", fields | {"results": results + [seed_so_far]}, device_name,
+                         quiet=True)
+
+    for seed in args.seeds:
+        results.append(one_seed(seed, args, tok, readers, long, device, partial))
     print(table(results, w))
     if args.out:
-        fields = {"window": w, "base": dataclasses.asdict(args.base), "tune": args.tune,
-                  "chars_per_token": args.chars_per_token,
-                  "search": args.search.model_dump(), "prompts": args.prompts, "results": results}
-        path = write_result(args.out, "rope_methods", fields, None if torch.cuda.is_available() else "cpu")
+        path = write_result(args.out, "rope_methods", fields | {"results": results}, device_name)
         plot(results, w, path.with_suffix(".png"))
+        path.with_name(path.name.replace("rope_methods-", "rope_methods-partial-")).unlink(missing_ok=True)
 
 
 if __name__ == "__main__":

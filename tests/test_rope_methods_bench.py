@@ -24,6 +24,7 @@ def test_every_method_is_scored_zero_shot_and_fine_tuned(small_project, tmp_path
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     (path,) = tmp_path.glob("rope_methods-cpu-*.json")
+    assert not list(tmp_path.glob("rope_methods-partial-*"))  # the per-method file gives way to the whole result
     out = json.loads(path.read_text())
     assert path.with_suffix(".png").stat().st_size > 10_000
     (r,) = out["results"]
