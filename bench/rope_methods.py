@@ -20,7 +20,6 @@ documents of 8W = 4,096 tokens; the bench trains on none of them, so either part
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import json
 import tempfile
@@ -123,7 +122,8 @@ def one_seed(seed: int, args: argparse.Namespace, tok: TextTokenizer, readers: l
     methods = {}
     for name in RUN_ORDER:
         rope = found.ropes[name]
-        tuned = copy.deepcopy(model)
+        tuned = new_model(base_v, tok, device)  # a fresh module, not a deepcopy: the base's path "stage"
+        tuned.load_state_dict(model.state_dict())  # attached bf16 copies whose hooks feed the base's grads
         use_rope(tuned, rope, 4 * w)
         t1 = time.perf_counter()
         fit(tuned, tune_v, tune_data, device)
@@ -243,11 +243,11 @@ def main() -> None:
               "chars_per_token": args.chars_per_token, "search": args.search.model_dump(), "prompts": args.prompts}
     device_name = None if torch.cuda.is_available() else "cpu"
     results: list[dict] = []
+    partial_name = "rope_methods-partial-seed" + "-".join(map(str, args.seeds))
 
     def partial(seed_so_far: dict) -> None:  # a run stopped by its time limit keeps what it measured
-        if args.out:
-            write_result(args.out, "rope_methods-partial", fields | {"results": results + [seed_so_far]}, device_name,
-                         quiet=True)
+        if args.out:  # (named by its seeds: processes running one seed each may share --out)
+            write_result(args.out, partial_name, fields | {"results": results + [seed_so_far]}, device_name, quiet=True)
 
     for seed in args.seeds:
         results.append(one_seed(seed, args, tok, readers, long, device, partial))
@@ -255,7 +255,7 @@ def main() -> None:
     if args.out:
         path = write_result(args.out, "rope_methods", fields | {"results": results}, device_name)
         plot(results, w, path.with_suffix(".png"))
-        path.with_name(path.name.replace("rope_methods-", "rope_methods-partial-")).unlink(missing_ok=True)
+        path.with_name(path.name.replace("rope_methods-", partial_name + "-")).unlink(missing_ok=True)
 
 
 if __name__ == "__main__":
