@@ -43,8 +43,11 @@ from longctx.ropesearch.compare import SEARCHED, needle_sets, search_and_compare
 from longctx.ropesearch.space import Space
 
 BASE = Variant(steps=1000, batch=16, seq_len=512, d_model=512, n_layers=8, n_heads=8, ffn_dim=1376, lr=1e-3,
-               lr_min=1e-4)
-"""The base at W = 512: a ~33M-parameter model (8,192-token vocabulary), as the issue's."""
+               lr_min=1e-4, path="stage", compile=False)
+"""The base at W = 512: a ~33M-parameter model (8,192-token vocabulary), as the issue's. Trained
+as a stage trains on its device (bf16 compute copies, one varlen attention call a layer on a GPU):
+the "fp32" path's per-document attention took 280 s for this base on an H100, 50 s a fine-tune.
+Not compiled: each fine-tuned copy is a new module (a recompilation each) and trains 120 steps."""
 TUNE = {"steps": 120, "batch": 8, "lr": 2e-4, "lr_min": 2e-5}
 """The fine-tune at 4W, the same for every method (Variant fields over the base's)."""
 METHODS = ("original", "pi", "ntk", "yarn", "base_change", SEARCHED)
@@ -67,6 +70,8 @@ class Scoring:
     short_docs: list[np.ndarray]
     """W-token prefixes of held-out documents (short-context retention)."""
     window: int
+    bf16: bool
+    """Score under bf16 autocast (as the eval stage scores a GPU model)."""
 
 
 def score(model, rope, s: Scoring, device: torch.device) -> dict:
@@ -74,7 +79,7 @@ def score(model, rope, s: Scoring, device: torch.device) -> dict:
     w = s.window
     use_rope(model, rope, 4 * w)
     lengths = [w, 4 * w, 8 * w]
-    row = score_rows(model, s.enc, s.prompts, lengths, device, False)
+    row = score_rows(model, s.enc, s.prompts, lengths, device, s.bf16)
     sums, counts = needle.needle_nlls(model, s.held_out)
     row["needle_ppl"] = needle.perplexity(float(sums.sum() / max(counts.sum(), 1)))
     row["needle_ppl_interval"] = list(needle.ppl_interval(sums, counts))
@@ -85,7 +90,8 @@ def score(model, rope, s: Scoring, device: torch.device) -> dict:
     return row
 
 
-def scoring(tok: TextTokenizer, long: PackedDataset, held_out: list, w: int, prompts: int, seed: int) -> Scoring:
+def scoring(tok: TextTokenizer, long: PackedDataset, held_out: list, w: int, prompts: int, seed: int,
+            bf16: bool) -> Scoring:
     docs = needle.long_documents(long, 8 * w)
     if len(docs) < 2:
         raise SystemExit(f"{long.folder}: {len(docs)} documents of >= {8 * w} tokens; the loss by position needs 2")
@@ -93,7 +99,7 @@ def scoring(tok: TextTokenizer, long: PackedDataset, held_out: list, w: int, pro
     long_docs = [np.asarray(long[int(i)].input_ids[:8 * w]) for i in rng.choice(docs, min(8, len(docs)), replace=False)]
     short_docs = [np.asarray(long[i].input_ids[:w]) for i in needle.long_documents(long, w)[:32]]
     enc = Encoder(tok, chat=False)
-    return Scoring(enc, task_prompts(enc, [w, 4 * w, 8 * w], prompts), held_out, long_docs, short_docs, w)
+    return Scoring(enc, task_prompts(enc, [w, 4 * w, 8 * w], prompts), held_out, long_docs, short_docs, w, bf16)
 
 
 def one_seed(seed: int, args: argparse.Namespace, tok: TextTokenizer, readers: list[ShardReader],
@@ -115,7 +121,7 @@ def one_seed(seed: int, args: argparse.Namespace, tok: TextTokenizer, readers: l
         found = search_and_compare(model, space, long, tok, rs, needles, 16 * base_v.theta, [4 * w],
                                    Path(tmp) / "state.json")
     print(f"seed {seed}: searched and compared in {time.perf_counter() - t1:.0f} s", flush=True)
-    s = scoring(tok, long, needles[1], w, args.prompts, seed)
+    s = scoring(tok, long, needles[1], w, args.prompts, seed, base_v.path == "stage" and device.type == "cuda")
     # documents of 120 characters up to ~4W tokens: short ones run the original RoPE under LongRoPE2's factors
     tune_v = dataclasses.replace(base_v, seq_len=4 * w, max_chars=int(4 * w * args.chars_per_token), **args.tune)
     tune_data = training_data(tune_v, tok, readers, args.packed)
