@@ -126,10 +126,12 @@ def one_seed(seed: int, args: argparse.Namespace, tok: TextTokenizer, readers: l
     tune_v = dataclasses.replace(base_v, seq_len=4 * w, max_chars=int(4 * w * args.chars_per_token), **args.tune)
     tune_data = training_data(tune_v, tok, readers, args.packed)
     methods = {}
+    result = {"seed": seed, "base_s": base_s, "search": found.summary, "search_table": found.table, "methods": methods}
     for name in RUN_ORDER:
         rope = found.ropes[name]
-        tuned = new_model(base_v, tok, device)  # a fresh module, not a deepcopy: the base's path "stage"
-        tuned.load_state_dict(model.state_dict())  # attached bf16 copies whose hooks feed the base's grads
+        # a fresh module, not a deepcopy: under path "stage" the base carries bf16 copies feeding its own grads
+        tuned = new_model(base_v, tok, device)
+        tuned.load_state_dict(model.state_dict())
         use_rope(tuned, rope, 4 * w)
         t1 = time.perf_counter()
         fit(tuned, tune_v, tune_data, device)
@@ -140,11 +142,9 @@ def one_seed(seed: int, args: argparse.Namespace, tok: TextTokenizer, readers: l
         print(f"seed {seed} {name} (tuned in {t2 - t1:.0f} s, scored in {time.perf_counter() - t2:.0f} s): zero-shot "
               f"{json.dumps(row_summary(methods[name]['zero_shot'], w))}, "
               f"tuned {json.dumps(row_summary(methods[name]['tuned'], w))}", flush=True)
-        partial({"seed": seed, "base_s": base_s, "search": found.summary, "search_table": found.table,
-                 "methods": methods})
-    methods = {m: methods[m] for m in METHODS}
-    return {"seed": seed, "base_s": base_s, "search": found.summary, "search_table": found.table,
-            "methods": methods, "targets": targets(methods, w)}
+        partial(result)
+    ordered = {m: methods[m] for m in METHODS}
+    return result | {"methods": ordered, "targets": targets(ordered, w)}
 
 
 def row_summary(row: dict, w: int) -> dict:
@@ -249,11 +249,14 @@ def main() -> None:
               "chars_per_token": args.chars_per_token, "search": args.search.model_dump(), "prompts": args.prompts}
     device_name = None if torch.cuda.is_available() else "cpu"
     results: list[dict] = []
-    partial_name = "rope_methods-partial-seed" + "-".join(map(str, args.seeds))
+    partial_file: Path | None = None
 
     def partial(seed_so_far: dict) -> None:  # a run stopped by its time limit keeps what it measured
+        nonlocal partial_file
         if args.out:  # (named by its seeds: processes running one seed each may share --out)
-            write_result(args.out, partial_name, fields | {"results": results + [seed_so_far]}, device_name, quiet=True)
+            name = "rope_methods-partial-seed" + "-".join(map(str, args.seeds))
+            partial_file = write_result(args.out, name, fields | {"results": results + [seed_so_far]}, device_name,
+                                        quiet=True)
 
     for seed in args.seeds:
         results.append(one_seed(seed, args, tok, readers, long, device, partial))
@@ -261,7 +264,8 @@ def main() -> None:
     if args.out:
         path = write_result(args.out, "rope_methods", fields | {"results": results}, device_name)
         plot(results, w, path.with_suffix(".png"))
-        path.with_name(path.name.replace("rope_methods-", partial_name + "-")).unlink(missing_ok=True)
+        if partial_file is not None:
+            partial_file.unlink()
 
 
 if __name__ == "__main__":

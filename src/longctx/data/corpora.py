@@ -6,6 +6,7 @@ as documents stream in, so memory does not grow with the corpus.
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import platform
 import sys
@@ -90,13 +91,13 @@ def build(cfg: CorporaParams, out: Path) -> dict:
         "packages": {p: _version(p) for p in ("datasets", "pyarrow", "tokenizers")},
         "domains": {},
     }
-    jobs = [(domain, spec, out, cfg.seed, cfg.invalid_utf8) for domain, spec in cfg.domains.items()]
-    workers = min(cfg.num_workers, len(jobs))
+    one = functools.partial(_build_domain, out=out, seed=cfg.seed, invalid_utf8=cfg.invalid_utf8)
+    workers = min(cfg.num_workers, len(cfg.domains))
     if workers > 1:  # spawned: a forked pyarrow or tokenizers thread pool can deadlock the child
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-            entries = list(pool.map(_build_domain, *zip(*jobs, strict=True)))
+            entries = list(pool.map(one, cfg.domains, cfg.domains.values()))
     else:
-        entries = [_build_domain(*job) for job in jobs]
+        entries = list(map(one, cfg.domains, cfg.domains.values()))
     manifest["domains"] = dict(zip(cfg.domains, entries, strict=True))
     return manifest
 
