@@ -228,7 +228,12 @@ def main() -> None:
     ap.add_argument("--search", nargs="*", default=[], metavar="FIELD=VALUE", help="rope_search params")
     ap.add_argument("--prompts", type=int, default=16, help="prompts per task and length")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--merge", type=Path, nargs="+", metavar="JSON",
+                    help="results of the same settings, one seed each (processes run side by side): one JSON, "
+                         "figure and table of them all in --out")
     args = ap.parse_args()
+    if args.merge:
+        return merge(args.merge, args.out)
     try:
         args.base = dataclasses.replace(BASE, **variant_fields(args.base))
         args.tune = TUNE | variant_fields(args.tune)
@@ -261,11 +266,42 @@ def main() -> None:
     for seed in args.seeds:
         results.append(one_seed(seed, args, tok, readers, long, device, partial))
     print(table(results, w))
-    if args.out:
-        path = write_result(args.out, "rope_methods", fields | {"results": results}, device_name)
+    if args.out:  # one process a seed: `--merge` joins them
+        name = "rope_methods" + ("" if len(args.seeds) > 1 else f"-seed{args.seeds[0]}")
+        path = write_result(args.out, name, fields | {"results": results}, device_name)
         plot(results, w, path.with_suffix(".png"))
         if partial_file is not None:
             partial_file.unlink()
+
+
+SAME = ("device", "window", "base", "tune", "chars_per_token", "search", "prompts")
+"""What results must share to be merged: the model, the recipe and the scoring."""
+
+
+def merge(files: list[Path], out: Path | None) -> None:
+    """One result of several runs' seeds, checked to come from the same settings."""
+    if out is None:
+        raise SystemExit("--merge: give --out, the folder of the merged JSON and figure")
+    runs = []
+    for f in files:
+        try:
+            runs.append(json.loads(f.read_text()))
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"--merge: {f}: {e}") from None
+    for f, r in zip(files[1:], runs[1:], strict=True):
+        differ = [k for k in SAME if r.get(k) != runs[0].get(k)]
+        if differ:
+            raise SystemExit(f"--merge: {f} differs from {files[0]} in {', '.join(differ)}: not the same bench")
+    results = sorted((s for r in runs for s in r["results"]), key=lambda s: s["seed"])
+    seeds = [s["seed"] for s in results]
+    if len(set(seeds)) < len(seeds):
+        raise SystemExit(f"--merge: seed(s) {sorted({s for s in seeds if seeds.count(s) > 1})} in more than one file")
+    first = runs[0]
+    w = first["window"]
+    print(table(results, w))
+    fields = {k: first[k] for k in SAME if k != "device"} | {"merged_from": [f.name for f in files], "results": results}
+    path = write_result(out, "rope_methods", fields, first["device"])
+    plot(results, w, path.with_suffix(".png"))
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ def test_every_method_is_scored_zero_shot_and_fine_tuned(small_project, tmp_path
            "sequences=1", "table_sequences=2", "--prompts", "1", "--out", str(tmp_path)]
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    (path,) = tmp_path.glob("rope_methods-cpu-*.json")
+    (path,) = tmp_path.glob("rope_methods-seed0-cpu-*.json")  # one seed: named by it, for --merge
     assert not list(tmp_path.glob("rope_methods-partial-*"))  # the per-method file gives way to the whole result
     out = json.loads(path.read_text())
     assert path.with_suffix(".png").stat().st_size > 10_000
@@ -45,6 +45,26 @@ def test_every_method_is_scored_zero_shot_and_fine_tuned(small_project, tmp_path
                                                       if k != "longrope2")
     assert t["needle_ppl_4W"]["met"] == (ours["needle_ppl"] <= t["needle_ppl_4W"]["best_baseline"])
     assert "targets:" in done.stdout and "longrope2" in done.stdout
+
+    # seeds run side by side, one process each, then merged into one result
+    other = out | {"results": [r | {"seed": 1}]}
+    (tmp_path / "s1.json").write_text(json.dumps(other))
+    merged_dir = tmp_path / "merged"
+    merge = [sys.executable, "-m", "bench.rope_methods", "--merge", str(tmp_path / "s1.json"), str(path),
+             "--out", str(merged_dir)]
+    done = subprocess.run(merge, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (joined,) = merged_dir.glob("rope_methods-cpu-*.json")
+    both = json.loads(joined.read_text())
+    assert [x["seed"] for x in both["results"]] == [0, 1] and both["window"] == 64
+    assert joined.with_suffix(".png").stat().st_size > 10_000
+    twice = subprocess.run(merge[:4] + [str(path), str(path), "--out", str(tmp_path / "x")], cwd=REPO, env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert twice.returncode != 0 and "seed(s) [0]" in twice.stderr and not (tmp_path / "x").exists()
+    (tmp_path / "w.json").write_text(json.dumps(other | {"window": 128}))
+    differ = subprocess.run(merge[:4] + [str(path), str(tmp_path / "w.json"), "--out", str(tmp_path / "x")], cwd=REPO,
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert differ.returncode != 0 and "window" in differ.stderr
     bad = subprocess.run(cmd[:5] + ["--search", "populaton=4"], cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=120)
     assert bad.returncode != 0 and "populaton" in bad.stderr
