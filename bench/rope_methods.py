@@ -50,8 +50,12 @@ the "fp32" path's per-document attention took 280 s for this base on an H100, 50
 Not compiled: each fine-tuned copy is a new module (a recompilation each) and trains 120 steps."""
 TUNE = {"steps": 120, "batch": 8, "lr": 2e-4, "lr_min": 2e-5}
 """The fine-tune at 4W, the same for every method (Variant fields over the base's)."""
-METHODS = ("original", "pi", "ntk", "yarn", "base_change", SEARCHED)
-RUN_ORDER = (SEARCHED, "yarn", "ntk", "base_change", "pi", "original")
+WIDE = "longrope2_wide"
+"""LongRoPE2's search in a wider space than the paper's (issue 33 item 3): the critical index may
+reach the last frequency (so NTK's shape is inside) and the attention factor is searched (1 beside
+the paper's). Scored and tuned like the others; not a baseline of the targets."""
+METHODS = ("original", "pi", "ntk", "yarn", "base_change", SEARCHED, WIDE)
+RUN_ORDER = (SEARCHED, "yarn", "ntk", "base_change", "pi", "original", WIDE)
 """The order they are tuned in: the method under test and its closest rivals first, so that a run
 cut short by its time limit still holds the comparison that matters (each method's rows are
 written as they come: `partial`)."""
@@ -120,15 +124,21 @@ def one_seed(seed: int, args: argparse.Namespace, tok: TextTokenizer, readers: l
     with tempfile.TemporaryDirectory() as tmp:
         found = search_and_compare(model, space, long, tok, rs, needles, 16 * base_v.theta, [4 * w],
                                    Path(tmp) / "state.json")
+        wide = search_and_compare(model, dataclasses.replace(space, critical_max="all", search_attention=True), long,
+                                  tok, rs, needles, 16 * base_v.theta, [4 * w], Path(tmp) / "wide.json")
+    ropes = found.ropes | {WIDE: wide.ropes[SEARCHED]}
+    factors = found.factors | {WIDE: wide.factors[SEARCHED]}
+    attention = found.attention | {WIDE: wide.attention[SEARCHED]}
     print(f"seed {seed}: searched and compared in {time.perf_counter() - t1:.0f} s", flush=True)
     s = scoring(tok, long, needles[1], w, args.prompts, seed, base_v.path == "stage" and device.type == "cuda")
     # documents of 120 characters up to ~4W tokens: short ones run the original RoPE under LongRoPE2's factors
     tune_v = dataclasses.replace(base_v, seq_len=4 * w, max_chars=int(4 * w * args.chars_per_token), **args.tune)
     tune_data = training_data(tune_v, tok, readers, args.packed)
     methods = {}
-    result = {"seed": seed, "base_s": base_s, "search": found.summary, "search_table": found.table, "methods": methods}
+    result = {"seed": seed, "base_s": base_s, "search": found.summary, "search_table": found.table,
+              "search_wide": wide.summary, "methods": methods}
     for name in RUN_ORDER:
-        rope = found.ropes[name]
+        rope = ropes[name]
         # a fresh module, not a deepcopy: under path "stage" the base carries bf16 copies feeding its own grads
         tuned = new_model(base_v, tok, device)
         tuned.load_state_dict(model.state_dict())
@@ -137,8 +147,8 @@ def one_seed(seed: int, args: argparse.Namespace, tok: TextTokenizer, readers: l
         fit(tuned, tune_v, tune_data, device)
         t2 = time.perf_counter()
         methods[name] = {"zero_shot": score(model, rope, s, device), "tuned": score(tuned, rope, s, device),
-                         "tune_s": t2 - t1, "score_s": time.perf_counter() - t2, "factors": found.factors[name],
-                         "attention_factor": found.attention[name]}
+                         "tune_s": t2 - t1, "score_s": time.perf_counter() - t2, "factors": factors[name],
+                         "attention_factor": attention[name]}
         print(f"seed {seed} {name} (tuned in {t2 - t1:.0f} s, scored in {time.perf_counter() - t2:.0f} s): zero-shot "
               f"{json.dumps(row_summary(methods[name]['zero_shot'], w))}, "
               f"tuned {json.dumps(row_summary(methods[name]['tuned'], w))}", flush=True)
@@ -156,7 +166,7 @@ def row_summary(row: dict, w: int) -> dict:
 def targets(methods: dict, w: int) -> dict:
     """The issue's targets after fine-tuning: LongRoPE2 against the best baseline on each."""
     tuned = {m: r["tuned"] for m, r in methods.items()}
-    base = {m: r for m, r in tuned.items() if m != SEARCHED}
+    base = {m: r for m, r in tuned.items() if m not in (SEARCHED, WIDE)}
     ours = tuned[SEARCHED]
     best_ppl = min(r["needle_ppl"] for r in base.values())
     best_passkey = max(r[f"passkey_{8 * w}"] for r in base.values())

@@ -28,7 +28,10 @@ def test_every_method_is_scored_zero_shot_and_fine_tuned(small_project, tmp_path
     out = json.loads(path.read_text())
     assert path.with_suffix(".png").stat().st_size > 10_000
     (r,) = out["results"]
-    assert out["window"] == 64 and list(r["methods"]) == ["original", "pi", "ntk", "yarn", "base_change", "longrope2"]
+    assert out["window"] == 64 and list(r["methods"]) == ["original", "pi", "ntk", "yarn", "base_change", "longrope2",
+                                                          "longrope2_wide"]
+    # the wide search's space reaches the last frequency (the paper's stops at the critical index)
+    assert r["search_wide"]["candidates"][1] == 7 > r["search"]["candidates"][1]
     pi, yarn = r["methods"]["pi"], r["methods"]["yarn"]
     assert np.allclose(pi["factors"], 4.0) and yarn["attention_factor"] > 1.0  # each method's own setting at 4W
     for m in r["methods"].values():
@@ -42,7 +45,7 @@ def test_every_method_is_scored_zero_shot_and_fine_tuned(small_project, tmp_path
     ours = r["methods"]["longrope2"]["tuned"]
     assert t["needle_ppl_4W"]["longrope2"] == ours["needle_ppl"]
     assert t["needle_ppl_4W"]["best_baseline"] == min(m["tuned"]["needle_ppl"] for k, m in r["methods"].items()
-                                                      if k != "longrope2")
+                                                      if k not in ("longrope2", "longrope2_wide"))
     assert t["needle_ppl_4W"]["met"] == (ours["needle_ppl"] <= t["needle_ppl_4W"]["best_baseline"])
     assert "targets:" in done.stdout and "longrope2" in done.stdout
 
