@@ -10,6 +10,8 @@
 # and mlartifacts/ without checkpoints), dvc_status.log, pipeline_eval_changed.log, stage_bench.log and the
 # stage bench's JSON.
 #   bash bench/gpu_pipeline.sh [llama|fox]      # fox: the FoX (Pro) + ACP variant, same data and tokens
+# AGAIN=1: only what follows the main command, in the workspace the last call left (a second device call made
+# while the machine is still warm, when the first had no time left for it).
 # PROFILE: another profile (tiny: the same steps on a CPU). LIMIT: seconds for the whole script (default
 # 594, what run 13 ran under in a 600 s call; the main command gets what is left, then 10 s to stop).
 # Carry .whl (bench/gpu_wheels.py) where the image lacks DVC, Prefect and MLflow.
@@ -23,6 +25,17 @@ source bench/gpu_env.sh || exit 1
 SITE=$([ -d /tmp/site ] && echo /tmp/site)   # where gpu_env.sh installed the carried wheels
 command -v git dvc >/dev/null || { echo "gpu_pipeline: git and dvc are needed on PATH" >&2; exit 1; }
 ws=/tmp/longctx-ws-$variant
+left() { echo $(( limit - ($(date +%s) - begin) )); }
+collect() {  # (the device returns a limited number of files: the folders travel as one archive)
+  cp mlflow.db "$out"/ 2>/dev/null
+  tar --exclude="*.safetensors" -czf "$out/outputs.tar.gz" dvc.lock params.yaml metrics plots reports mlartifacts \
+    2>/dev/null
+  du -sh "$out"/mlflow.db "$out"/outputs.tar.gz 2>/dev/null
+}
+if [ -n "${AGAIN:-}" ]; then   # a second call on the still-warm machine: the first call's finished workspace
+  [ -f "$ws/dvc.lock" ] || { echo "gpu_pipeline: AGAIN: no finished workspace at $ws (the machine was released)"; exit 1; }
+  cd "$ws" && export PYTHONPATH=$ws/src:$ws${SITE:+:$SITE} && status=0
+else
 rm -rf "$ws" && mkdir -p "$ws"
 # the project as a clone has it: everything but what runs make or carry (.gitignore'd), as a new repository
 tar --exclude=./.git --exclude=./.whl --exclude=./data --exclude=./bench/work --exclude=./bench/results \
@@ -43,19 +56,13 @@ yaml.safe_dump(p, open("params.yaml", "w"), sort_keys=False)
 EOF
 fi
 git init -q && git add -A && git -c user.name=longctx -c user.email=longctx@localhost commit -qm workspace
-left() { echo $(( limit - ($(date +%s) - begin) )); }
-collect() {  # (the device returns a limited number of files: the folders travel as one archive)
-  cp mlflow.db "$out"/ 2>/dev/null
-  tar --exclude="*.safetensors" -czf "$out/outputs.tar.gz" dvc.lock params.yaml metrics plots reports mlartifacts \
-    2>/dev/null
-  du -sh "$out"/mlflow.db "$out"/outputs.tar.gz 2>/dev/null
-}
 { nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || nproc; } | tee "$out/pipeline.log"
 LONGCTX_GPUS=0 timeout -k 10 "$(left)" python3 -m pipelines 2>&1 | tee -a "$out/pipeline.log"
 status=${PIPESTATUS[0]}
 echo "main command: exit $status after $(( $(date +%s) - begin )) s" | tee -a "$out/pipeline.log"
 collect
 [ "$status" = 0 ] || exit "$status"
+fi
 dvc status 2>&1 | tee "$out/dvc_status.log"   # right after a finished run: nothing to do
 if [ "$(left)" -gt 120 ]; then                 # one eval param changed: eval alone reruns
   sed -i "s/^eval: {}$/eval: {retention_sequences: 4}/" params.yaml

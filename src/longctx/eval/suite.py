@@ -50,11 +50,14 @@ class Encoder:
 
 
 def build_prompts(enc: Encoder, names: list[str], lengths: list[int], samples: int, depths: list[float],
-                  seed: int, haystack: str) -> list[tasks.Prompt]:
+                  seed: int, haystack: str, wrappers: tuple[Encoder, ...] = ()) -> list[tasks.Prompt]:
     """Every task at every length: `samples` prompts each, depths cycling; the single-needle
-    noise task at every depth (the NIAH depth x length grid). The same seed, the same prompts."""
+    noise task at every depth (the NIAH depth x length grid). The same seed, the same prompts.
+    Each fits the length under `enc` and every one of `wrappers` (the chat template too: then the
+    pretrained and the SFT checkpoints read the same texts)."""
     out = []
-    wrap = len(enc.prompt(tasks.Prompt("", 0, "", "", "", [""], "all", 0)))
+    empty = tasks.Prompt("", 0, "", "", "", [""], "all", 0)
+    wrap = max(len(e.prompt(empty)) for e in (enc, *wrappers))
     for length in lengths:
         budget = tasks.Budget(enc.count, length, reserve=wrap + 8)
         for name in names:
@@ -97,12 +100,14 @@ def hf_answerer(folder, eos: int | None, dtype: torch.dtype = torch.float32) -> 
     return answer
 
 
-def run_tasks(answer: Answerer, enc: Encoder, prompts: list[tasks.Prompt], desc: str) -> tuple[list[dict], dict]:
-    """Score every prompt; returns rows and throughput."""
+def run_tasks(answer: Answerer, enc: Encoder, prompts: list[tasks.Prompt], desc: str,
+              encoded: list[list[int]] | None = None) -> tuple[list[dict], dict]:
+    """Score every prompt (`encoded`: their token ids, when already encoded); returns rows and
+    throughput."""
+    encoded = encoded or [enc.prompt(p) for p in prompts]
     rows, tokens, start = [], 0, time.perf_counter()
     eos = enc.eos()
-    for p in progress(prompts, desc=desc, unit="prompt"):
-        ids = enc.prompt(p)
+    for p, ids in progress(list(zip(prompts, encoded, strict=True)), desc=desc, unit="prompt"):
         out = answer(ids, p.max_new_tokens)
         if eos is not None and eos in out:
             out = out[:out.index(eos)]
@@ -204,22 +209,26 @@ def evaluate(results: dict, name: str, model: Transformer, folder: Path, enc: En
     training did; `results["windows"]` marks them), except past a hard window (skipped, with the
     reason); perplexities on the long documents of `data`; lm-eval tasks; perplexity on the short
     sequences of `short`. Returns the scored prompt rows and the per-position loss rows. `built`
-    keeps the prompts between checkpoints that read them alike (filling 64K-token prompts to the
-    token takes seconds each)."""
+    keeps the prompts between checkpoints (filling 64K-token prompts to the token takes seconds
+    each), and their token ids between checkpoints that read them alike (plain or chat)."""
     results["windows"][name] = window.length
     lengths = [n for n in ec.lengths if not (window.hard and n > window.length)]
     for n in sorted(set(ec.lengths) - set(lengths)):
         results["skipped"].append({"checkpoint": name, "length": n, "reason": f"beyond the checkpoint's window "
                                    f"{window.length} (its learned position table stops there)"})
-    key = (enc.chat, tuple(lengths))
+    key = tuple(lengths)
     built = {} if built is None else built
     if key not in built:
-        built[key] = build_prompts(enc, ec.tasks, lengths, ec.samples, ec.depths, ec.seed, haystack)
-    prompts = list(built[key])
-    prompts += helmet.prompts(results, name, enc.count, ec, lengths)
+        other = (Encoder(enc.tok, not enc.chat),) if enc.chat or enc.tok.chat_template else ()
+        built[key] = build_prompts(enc, ec.tasks, lengths, ec.samples, ec.depths, ec.seed, haystack, other)
+    if (enc.chat, key) not in built:
+        built[enc.chat, key] = [enc.prompt(p) for p in built[key]]
+    extra = helmet.prompts(results, name, enc.count, ec, lengths)
+    prompts = built[key] + extra
+    encoded = built[enc.chat, key] + [enc.prompt(p) for p in extra]
     answer = (hf_answerer(folder / "hf", enc.eos()) if ec.backend == "transformers"
               else our_answerer(model, enc.eos()))
-    rows, speed = run_tasks(answer, enc, prompts, f"eval {name}")
+    rows, speed = run_tasks(answer, enc, prompts, f"eval {name}", encoded)
     for r in rows:
         r["checkpoint"] = name
     results["tasks"][name] = mean_scores(rows)
