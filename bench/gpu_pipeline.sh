@@ -11,7 +11,8 @@
 # stage bench's JSON.
 #   bash bench/gpu_pipeline.sh [llama|fox]      # fox: the FoX (Pro) + ACP variant, same data and tokens
 # AGAIN=1: only what follows the main command, in the workspace the last call left (a second device call made
-# while the machine is still warm, when the first had no time left for it).
+# while the machine is still warm, when the first had no time left for it); AGAIN=resume: the main command
+# again first (DVC skips the finished stages, a training stage goes on from its last checkpoint).
 # PROFILE: another profile (tiny: the same steps on a CPU). LIMIT: seconds for the whole script (default
 # 594, what run 13 ran under in a 600 s call; the main command gets what is left, then 10 s to stop).
 # Carry .whl (bench/gpu_wheels.py) where the image lacks DVC, Prefect and MLflow.
@@ -35,6 +36,13 @@ collect() {  # (the device returns a limited number of files: the folders travel
 if [ -n "${AGAIN:-}" ]; then   # a second call on the still-warm machine: the first call's finished workspace
   [ -f "$ws/dvc.lock" ] || { echo "gpu_pipeline: AGAIN: no finished workspace at $ws (the machine was released)"; exit 1; }
   cd "$ws" && export PYTHONPATH=$ws/src:$ws${SITE:+:$SITE} && status=0
+  if [ "$AGAIN" = resume ]; then   # the first call's main command ran out of time: the same command goes on
+    LONGCTX_GPUS=0 timeout -k 10 "$(left)" python3 -m pipelines 2>&1 | tee "$out/pipeline_resumed.log"
+    status=${PIPESTATUS[0]}
+    echo "main command (resumed): exit $status after $(( $(date +%s) - begin )) s" | tee -a "$out/pipeline_resumed.log"
+    collect
+    [ "$status" = 0 ] || exit "$status"
+  fi
 else
 rm -rf "$ws" && mkdir -p "$ws"
 # the project as a clone has it: everything but what runs make or carry (.gitignore'd), as a new repository
