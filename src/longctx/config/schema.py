@@ -383,7 +383,10 @@ class RopeSearchParams(Strict):
     """Upper bound of searched factors, in units of s = target / original window."""
     critical_max: Literal["theory", "all"] = "theory"
     """Highest candidate for the real critical frequency: the theoretical one (the paper), or
-    any up to the last (for models whose critical frequencies sit above the theory)."""
+    any up to the last (for models whose critical frequencies sit above the theory). The paper's
+    by default: on a 33M model at 512 -> 2,048 the wider space (with `search_attention`) chose the
+    theoretical index and the paper's factor anyway, and its setting tuned to a worse needle
+    perplexity (bench/rope_methods.py, two seeds)."""
     search_attention: bool = False
     """Also try attention factor 1.0 beside LongRoPE2's sqrt(1 + ln s / ln L_train)."""
     seed: int = 0
