@@ -8,7 +8,7 @@
 # $OUT in at most 7 files (the device returns 8): pipeline.log (the device, then the main command's output
 # with the final table), mlflow.db, outputs.tar.gz (dvc.lock, params.yaml, and metrics/, plots/, reports/
 # and mlartifacts/ without checkpoints), dvc_status.log, pipeline_eval_changed.log, stage_bench.log and the
-# stage bench's JSON.
+# stage bench's JSON (AGAIN=resume: pipeline_resumed.log too).
 #   bash bench/gpu_pipeline.sh [llama|fox]      # fox: the FoX (Pro) + ACP variant, same data and tokens
 # AGAIN=1: only what follows the main command, in the workspace the last call left (a second device call made
 # while the machine is still warm, when the first had no time left for it); AGAIN=resume: the main command
@@ -33,8 +33,10 @@ collect() {  # (the device returns a limited number of files: the folders travel
     2>/dev/null
   du -sh "$out"/mlflow.db "$out"/outputs.tar.gz 2>/dev/null
 }
-if [ -n "${AGAIN:-}" ]; then   # a second call on the still-warm machine: the first call's finished workspace
-  [ -f "$ws/dvc.lock" ] || { echo "gpu_pipeline: AGAIN: no finished workspace at $ws (the machine was released)"; exit 1; }
+if [ -n "${AGAIN:-}" ]; then   # a second call on the still-warm machine, in the first call's workspace
+  case $AGAIN in 1|resume) ;; *) echo "gpu_pipeline: AGAIN=$AGAIN: give 1 or resume" >&2; exit 2 ;; esac
+  [ -f "$ws/dvc.yaml" ] || { echo "gpu_pipeline: AGAIN: no workspace at $ws (the machine was released)" >&2; exit 1; }
+  [ "$AGAIN" = resume ] || [ -f "$ws/dvc.lock" ] || { echo "gpu_pipeline: AGAIN=1: $ws has no finished run" >&2; exit 1; }
   cd "$ws" && export PYTHONPATH=$ws/src:$ws${SITE:+:$SITE} && status=0
   if [ "$AGAIN" = resume ]; then   # the first call's main command ran out of time: the same command goes on
     LONGCTX_GPUS=0 timeout -k 10 "$(left)" python3 -m pipelines 2>&1 | tee "$out/pipeline_resumed.log"
@@ -72,7 +74,7 @@ collect
 [ "$status" = 0 ] || exit "$status"
 fi
 dvc status 2>&1 | tee "$out/dvc_status.log"   # right after a finished run: nothing to do
-if [ "$(left)" -gt 120 ]; then                 # one eval param changed: eval alone reruns
+if [ "$(left)" -gt 120 ] && grep -q '^eval: {}$' params.yaml; then   # one eval param changed: eval alone reruns
   sed -i "s/^eval: {}$/eval: {retention_sequences: 4}/" params.yaml
   { echo "== eval.retention_sequences changed"; dvc status 2>&1; } | tee -a "$out/dvc_status.log"
   LONGCTX_GPUS=0 timeout -k 10 "$(left)" python3 -m pipelines 2>&1 | tee "$out/pipeline_eval_changed.log"

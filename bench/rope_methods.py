@@ -2,10 +2,11 @@
 fine-tune (issue 33; LongRoPE2's claims, seed 002). A RoPE model is trained at W on synthetic
 retrieval documents and real short text (bench/tiny_retrieval.py's data and loop); each method —
 the original RoPE, PI, NTK, YaRN, ProLong's base change (theta x16) and LongRoPE2's factors,
-searched as the rope_search stage searches them (needle sequences at 4W, every baseline a seed) —
-is set for 4W and scored as is, then fine-tuned the same steps on the same documents of mixed
-lengths packed in 4W windows (under LongRoPE2's factors a document inside W runs the original
-RoPE: its mixed context window training) and scored again. On documents nothing here trained or
+searched as the rope_search stage searches them (needle sequences at 4W, every baseline a seed),
+and LongRoPE2 searched in a wider space (`WIDE`) — is set for 4W and scored as is, then fine-tuned
+the same steps on the same documents of mixed lengths packed in 4W windows (under LongRoPE2's
+factors a document inside W runs the original RoPE: its mixed context window training) and scored
+again. On documents nothing here trained or
 searched on: passkey and NIAH-single at W, 4W and 8W; needle perplexity at 4W (held-out needle
 sequences, 95% bootstrap interval); the loss by position to 8W; the loss on W-token prefixes of
 held-out long documents (short-context retention). Writes the JSON and a figure; prints the table
@@ -302,6 +303,12 @@ def merge(files: list[Path], out: Path | None) -> None:
         differ = [k for k in SAME if r.get(k) != runs[0].get(k)]
         if differ:
             raise SystemExit(f"--merge: {f} differs from {files[0]} in {', '.join(differ)}: not the same bench")
+    for f, r in zip(files, runs, strict=True):
+        for seed in r.get("results", []):
+            missing = [m for m in METHODS if m not in seed.get("methods", {})] + (["targets"] * ("targets" not in seed))
+            if missing:
+                raise SystemExit(f"--merge: {f}: seed {seed.get('seed')} lacks {', '.join(missing)} (a partial "
+                                 "result, or one from an older version of this bench)")
     results = sorted((s for r in runs for s in r["results"]), key=lambda s: s["seed"])
     seeds = [s["seed"] for s in results]
     if len(set(seeds)) < len(seeds):

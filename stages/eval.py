@@ -69,7 +69,7 @@ def run(cfg: Params, root: Path) -> None:
     rows_all, position_rows = [], []
     with stage_run(cfg.tracking, root, "eval", flat(ec, "eval")) as tracker:
         short = retention_split(cfg)
-        built: dict = {}  # the prompts, built once for all checkpoints, and their token ids
+        built: dict = {}  # the task prompts, built once for all checkpoints, and their token ids
         for name, folder in ckpts.items():
             model = _train.load(folder, cfg.model.attention_backend).to(device).eval()
             chat = name == "sft"

@@ -68,6 +68,12 @@ def test_every_method_is_scored_zero_shot_and_fine_tuned(small_project, tmp_path
     differ = subprocess.run(merge[:4] + [str(path), str(tmp_path / "w.json"), "--out", str(tmp_path / "x")], cwd=REPO,
                             env=env, capture_output=True, text=True, timeout=120)
     assert differ.returncode != 0 and "window" in differ.stderr
+    six = {k: v for k, v in r["methods"].items() if k != "longrope2_wide"}
+    old = out | {"results": [r | {"seed": 1, "methods": six}]}
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    older = subprocess.run(merge[:4] + [str(path), str(tmp_path / "old.json"), "--out", str(tmp_path / "x")],
+                           cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert older.returncode != 0 and "old.json: seed 1 lacks longrope2_wide" in older.stderr
     bad = subprocess.run(cmd[:5] + ["--search", "populaton=4"], cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=120)
     assert bad.returncode != 0 and "populaton" in bad.stderr

@@ -104,7 +104,7 @@ def run_tasks(answer: Answerer, enc: Encoder, prompts: list[tasks.Prompt], desc:
               encoded: list[list[int]] | None = None) -> tuple[list[dict], dict]:
     """Score every prompt (`encoded`: their token ids, when already encoded); returns rows and
     throughput."""
-    encoded = encoded or [enc.prompt(p) for p in prompts]
+    encoded = [enc.prompt(p) for p in prompts] if encoded is None else encoded
     rows, tokens, start = [], 0, time.perf_counter()
     eos = enc.eos()
     for p, ids in progress(list(zip(prompts, encoded, strict=True)), desc=desc, unit="prompt"):
