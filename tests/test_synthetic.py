@@ -32,14 +32,16 @@ def test_documents_are_seeded_and_of_the_requested_lengths():
 
 
 def test_every_document_asks_what_its_own_text_holds():
+    digits = set()
     for text in synthetic(40, formats=["passkey", "kv", "multikey", "multiquery"]):
         context, *qas = text.split("\n\n")
         asked = []
         for qa in qas:
             question, answer = qa.split("\n")
             if question == tasks.PASSKEY_ASK[0]:
-                key = re.fullmatch(r"The pass key is (\d{6})\.", answer).group(1)
+                key = re.fullmatch(r"The pass key is (\d+)\.", answer).group(1)
                 assert tasks.passkey_needle(key) in context
+                digits.add(len(key))
             else:
                 key = re.search(r"for (\S+) mentioned", question).group(1)
                 value = re.search(r"are (\d{7})\.$", answer).group(1)
@@ -49,6 +51,7 @@ def test_every_document_asks_what_its_own_text_holds():
         needles = context.count("special magic numbers for")
         if len(qas) > 1:  # multiquery: every needle asked once, several per document
             assert sorted(asked) == sorted(set(asked)) and len(asked) == needles >= 2
+    assert digits == {4, 6, 7}  # pass keys of every length but eval's five
 
 
 def test_no_document_holds_an_eval_prompts_key():
@@ -58,7 +61,7 @@ def test_no_document_holds_an_eval_prompts_key():
         for sample in range(20):
             prompt = tasks.build(name, budget, np.random.default_rng([EvalParams().seed, 2048, i, sample]), 0.5, "x.")
             if name == "passkey":
-                assert not re.search(rf"\b{prompt.gold[0]}\b", corpus)  # eval's keys have 5 digits, ours 6
+                assert not re.search(rf"\b{prompt.gold[0]}\b", corpus)  # eval's keys have 5 digits, ours 4, 6, 7
             for key in re.findall(r"[a-z]+-[a-z]+", prompt.question):
                 assert key not in corpus and not set(key.split("-")) & set(TRAIN_WORDS)
 
@@ -105,8 +108,7 @@ def test_in_an_sft_domain_they_are_chats_asked_as_eval_asks_a_chat_model():
     passkey, multi = chats[0].messages, chats[1].messages
     question, prefix = tasks.PASSKEY_ASK
     assert len(passkey) == 2 and passkey[0]["content"].endswith("\n\n" + question)
-    assert re.fullmatch(rf"{prefix} (\d{{6}})\.", passkey[1]["content"])
-    key = re.fullmatch(rf"{prefix} (\d{{6}})\.", passkey[1]["content"]).group(1)
+    key = re.fullmatch(rf"{prefix} (\d{{4}}|\d{{6,7}})\.", passkey[1]["content"]).group(1)
     assert f"The pass key is {key}." in passkey[0]["content"]  # the needle is in the user's context
     assert len(multi) >= 4 and all(t["content"].startswith("What are all the special magic number for")
                                    for t in multi[2::2])

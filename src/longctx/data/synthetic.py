@@ -5,9 +5,10 @@ model can learn to retrieve inside its window and the tiny profile can show whet
 survives beyond it. ProLong's recipe has no synthetic data; only the tiny profile uses this
 source.
 
-Disjoint from evaluation by construction: pass keys have six digits (eval's have five) and
-needle keys are drawn from words eval never uses (TRAIN_WORDS), so no training document holds an
-eval prompt's answer.
+Disjoint from evaluation by construction: pass keys have four, six or seven digits (eval's have
+five: a model that saw one length only learned to write that many digits, " 355169." for 35516 on
+the GPU profile) and needle keys are drawn from words eval never uses (TRAIN_WORDS), so no
+training document holds an eval prompt's answer.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import numpy as np
 from ..eval.tasks import NOISE, PASSKEY_ASK, WORDS, niah_ask, niah_needle, passkey_needle
 
 FORMATS = ("passkey", "kv", "multikey", "multiquery")
+PASSKEY_DIGITS = (4, 6, 7)
+"""Lengths of the pass keys: around eval's five, never five."""
 MULTIQUERY_CHARS = 400
 """multiquery: one needle per this many characters (2 to 8), every one asked, in random order:
 several answers per document for the same filler (RULER's multi-query, one key per question)."""
@@ -66,7 +69,8 @@ def _drawn(seed: int, formats: list[str], min_chars: int, max_chars: int) -> Ite
 def _document(fmt: str, chars: int, rng: np.random.Generator) -> tuple[str, list[QA]]:
     """The context (filler with the needles) and its questions."""
     if fmt == "passkey":
-        key = str(int(rng.integers(100_000, 1_000_000)))
+        digits = PASSKEY_DIGITS[int(rng.integers(len(PASSKEY_DIGITS)))]
+        key = str(int(rng.integers(10 ** (digits - 1), 10 ** digits)))
         needles, qas = [passkey_needle(key)], [(*PASSKEY_ASK, key)]
     else:
         n = {"kv": 1, "multikey": 4}.get(fmt) or min(8, max(2, chars // MULTIQUERY_CHARS))
