@@ -33,16 +33,19 @@ collect() {  # (the device returns a limited number of files: the folders travel
     2>/dev/null
   du -sh "$out"/mlflow.db "$out"/outputs.tar.gz 2>/dev/null
 }
+run_main() {  # the main command in what is left of the time, its output appended to $1 ($2 names the run); $status
+  LONGCTX_GPUS=0 timeout -k 10 "$(left)" python3 -m pipelines 2>&1 | tee -a "$1"
+  status=${PIPESTATUS[0]}
+  echo "main command$2: exit $status after $(( $(date +%s) - begin )) s" | tee -a "$1"
+  collect
+}
 if [ -n "${AGAIN:-}" ]; then   # a second call on the still-warm machine, in the first call's workspace
   case $AGAIN in 1|resume) ;; *) echo "gpu_pipeline: AGAIN=$AGAIN: give 1 or resume" >&2; exit 2 ;; esac
   [ -f "$ws/dvc.yaml" ] || { echo "gpu_pipeline: AGAIN: no workspace at $ws (the machine was released)" >&2; exit 1; }
   [ "$AGAIN" = resume ] || [ -f "$ws/dvc.lock" ] || { echo "gpu_pipeline: AGAIN=1: $ws has no finished run" >&2; exit 1; }
   cd "$ws" && export PYTHONPATH=$ws/src:$ws${SITE:+:$SITE} && status=0
   if [ "$AGAIN" = resume ]; then   # the first call's main command ran out of time: the same command goes on
-    LONGCTX_GPUS=0 timeout -k 10 "$(left)" python3 -m pipelines 2>&1 | tee "$out/pipeline_resumed.log"
-    status=${PIPESTATUS[0]}
-    echo "main command (resumed): exit $status after $(( $(date +%s) - begin )) s" | tee -a "$out/pipeline_resumed.log"
-    collect
+    run_main "$out/pipeline_resumed.log" " (resumed)"
     [ "$status" = 0 ] || exit "$status"
   fi
 else
@@ -67,19 +70,14 @@ EOF
 fi
 git init -q && git add -A && git -c user.name=longctx -c user.email=longctx@localhost commit -qm workspace
 { nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || nproc; } | tee "$out/pipeline.log"
-LONGCTX_GPUS=0 timeout -k 10 "$(left)" python3 -m pipelines 2>&1 | tee -a "$out/pipeline.log"
-status=${PIPESTATUS[0]}
-echo "main command: exit $status after $(( $(date +%s) - begin )) s" | tee -a "$out/pipeline.log"
-collect
+run_main "$out/pipeline.log" ""
 [ "$status" = 0 ] || exit "$status"
 fi
 dvc status 2>&1 | tee "$out/dvc_status.log"   # right after a finished run: nothing to do
 if [ "$(left)" -gt 120 ] && grep -q '^eval: {}$' params.yaml; then   # one eval param changed: eval alone reruns
   sed -i "s/^eval: {}$/eval: {retention_sequences: 4}/" params.yaml
   { echo "== eval.retention_sequences changed"; dvc status 2>&1; } | tee -a "$out/dvc_status.log"
-  LONGCTX_GPUS=0 timeout -k 10 "$(left)" python3 -m pipelines 2>&1 | tee "$out/pipeline_eval_changed.log"
-  status=${PIPESTATUS[0]}
-  collect
+  run_main "$out/pipeline_eval_changed.log" " (eval changed)"
 fi
 if [ "$(left)" -gt 60 ]; then                  # the training stages' own steps timed by the benchmark's harness
   timeout -k 5 "$(left)" python3 bench/train_throughput.py --workspace . --steps 3 --out "$out" 2>&1 \
