@@ -221,12 +221,13 @@ def main() -> None:
     if par.main:
         print(f"\n{args.shape}, {par.world} x {torch.cuda.get_device_name() if gpu else 'CPU'}")
         print(f"{'setting':<9} {'seq':>7} {'sp':>3} {'tokens/s/GPU':>13} {'MFU':>6} {'MFU/790':>7} {'peak GiB':>9} "
-              f"{'pruned':>7} {'1st s':>6}")
+              f"{'pruned':>7} {'dense TF/s':>10} {'1st s':>6}")
         for r in rows:
             speed = r.get("tokens_per_s_per_gpu", r.get("error", "fits" if r.get("fits") else "-"))
             print(f"{r['setting']:<9} {r['seq']:>7} {r['sp']:>3} {speed:>13} {r.get('mfu', '-'):>6} "
                   f"{r.get('mfu_matmul_ceiling', '-'):>7} {r.get('peak_memory_gib', '-'):>9} "
-                  f"{r.get('acp_pruned_fraction', '-'):>7} {r.get('first_step_s', '-'):>6}")
+                  f"{r.get('acp_pruned_fraction', '-'):>7} {r.get('dense_equivalent_tflops', '-'):>10} "
+                  f"{r.get('first_step_s', '-'):>6}")
         print(f"ProLong Table 15 (8B, 64K, 8 x H100, FSDP): {PROLONG_8B_64K} tokens/s/GPU")
     close()
 

@@ -106,7 +106,7 @@ def main() -> None:
                 ratios[key] = round(r["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"], 3)
     print(f"\ntraining steps, bf16 over fp32 masters, AdamW, one document ({torch.cuda.get_device_name()})")
     print(f"{'shape':<5} {'model':<16} {'tokens':>6} {'mode':<14} {'attention':<9} {'ms/step':>8} {'isolated':>8} "
-          f"{'tokens/s':>9} {'MFU':>6} {'MFU/790':>7} {'GiB':>6} {'1st s':>6} {'graphs':>6}")
+          f"{'tokens/s':>9} {'MFU':>6} {'MFU/790':>7} {'dense TF/s':>10} {'GiB':>6} {'1st s':>6} {'graphs':>6}")
     for r in rows:
         mode = "compiled" if r["compile"] else "eager"
         mode += "" if r["recompute"] == "none" else f"+{r['recompute'][0]}AC"
@@ -117,7 +117,8 @@ def main() -> None:
         print(f"{r['shape']:<5} {r['model']:<16} {r['tokens']:>6} {mode:<14} {r['attention']:<9} "
               f"{r['step_s'] * 1e3:>8.1f} {r['isolated_step_s'] * 1e3:>8.1f} {r['tokens_per_s_per_gpu']:>9.0f} "
               f"{r.get('mfu', '-'):>6} "
-              f"{r.get('mfu_matmul_ceiling', '-'):>7} {r.get('peak_memory_gib', '-'):>6} {r['first_step_s']:>6} "
+              f"{r.get('mfu_matmul_ceiling', '-'):>7} {r.get('dense_equivalent_tflops', '-'):>10} "
+              f"{r.get('peak_memory_gib', '-'):>6} {r['first_step_s']:>6} "
               f"{r['graphs_compiled']:>6}")
     for r in rows:
         if "profile" in r:

@@ -269,9 +269,24 @@ def test_training_with_acp_logs_the_pruned_fraction(small_project, tmp_path):
         for layer in model.layers:  # gates that forget within tens of tokens: tiles to prune at 512
             layer.self_attn.fgate.bias.fill_(-1.0)
     last = train(model, data, RunParams(steps=2, lr=1e-3, acp_eps=math.exp(-10)), tmp_path)
-    logged = [json.loads(line)["acp_pruned_fraction"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    logged = [r["acp_pruned_fraction"] for r in rows]
     assert len(logged) == 2 and all(0.2 < x < 1 for x in logged), logged
     assert math.isfinite(last["loss"])
+    assert all(r["dense_equivalent_tflops"] > 0 for r in rows)  # (and "mfu" where a peak is known)
+
+
+def test_mfu_counts_the_attention_acp_executed():
+    from longctx.train.loop import attention_flops, kept_fraction, packed_batch, step_flops
+
+    cfg = fox_model().cfg
+    batch = packed_batch(torch.zeros(768, dtype=torch.long), torch.tensor([0, 512, 768]), torch.device("cpu"), [0])
+    attn = attention_flops(cfg, batch)
+    assert attn == 6 * cfg.n_layers * cfg.n_heads * cfg.dim_head * (512**2 + 256**2)
+    assert step_flops(cfg, 1000, batch) == 6 * 1000 * 768 + attn  # dense: every tile
+    assert step_flops(cfg, 1000, batch, 0.25) == 6 * 1000 * 768 + 0.25 * attn
+    assert kept_fraction((torch.tensor(30), torch.tensor(120))) == 0.25
+    assert kept_fraction(None) == 1.0  # no pruning counted: dense
 
 
 def test_acp_needs_a_fox_model_and_the_kernel():

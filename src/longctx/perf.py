@@ -20,7 +20,9 @@ from .train.compiled import graphs_compiled
 from .train.loop import (
     MATMUL_BF16_FLOPS,
     Batch,
+    attention_flops,
     flop_params,
+    kept_fraction,
     packed_batch,
     peak_flops,
     prepare,
@@ -95,7 +97,10 @@ def measure(run: Run, batches, steps: int, warmup: int = 2) -> dict:
             first = sec
         if i >= warmup:
             isolated.append(sec)
-    flops, tokens, queued = 0.0, 0.0, None
+    acp = run.model.acp
+    if acp is not None:
+        acp.stats.take()  # count the timed steps' tiles alone
+    dense, attention, tokens, queued = 0.0, 0.0, 0.0, None
     run.sync()
     t0 = time.perf_counter()
     for i in range(warmup + steps, warmup + 2 * steps):
@@ -104,11 +109,14 @@ def measure(run: Run, batches, steps: int, warmup: int = 2) -> dict:
         if queued is not None:
             losses.append(queued.result().loss)
         queued = step
-        flops += run.par.sum(sum(step_flops(run.model.cfg, params, b) for b in micro)) / run.par.sp
+        dense += sum(step_flops(run.model.cfg, params, b) for b in micro)
+        attention += sum(attention_flops(run.model.cfg, b) for b in micro)
         tokens += run.par.sum(sum(b.ids.numel() for b in micro)) / run.par.sp
     losses.append(queued.result().loss)
     run.sync()
     seconds = time.perf_counter() - t0
+    kept = kept_fraction(acp.stats.take()) if acp is not None else 1.0
+    flops = run.par.sum(dense - (1.0 - kept) * attention) / run.par.sp  # executed: ACP's kept tiles
     out = {"step_s": round(seconds / steps, 4), "isolated_step_s": round(sum(isolated) / steps, 4),
            "first_step_s": round(first, 2), "graphs_compiled": graphs_compiled() - graphs0,
            "tokens_per_s_per_gpu": round(tokens / seconds / run.par.world, 1), "losses": losses,
@@ -119,9 +127,10 @@ def measure(run: Run, batches, steps: int, warmup: int = 2) -> dict:
         if peak:
             out[key] = round(flops / seconds / peak / run.par.world, 4)
     out.update(peak_memory(run.par))
-    if run.model.acp is not None:
-        out["acp_pruned_fraction"] = round(run.par.sum(run.model.acp.stats.pruned_fraction() or 0.0)
-                                           / run.par.world, 4)
+    if acp is not None:
+        out["acp_pruned_fraction"] = round(run.par.sum(1.0 - kept) / run.par.world, 4)
+        # what dense attention would have cost at this speed, a rate (it may pass the peak), not a utilisation
+        out["dense_equivalent_tflops"] = round(run.par.sum(dense) / run.par.sp / seconds / run.par.world / 1e12, 1)
     return out
 
 

@@ -148,12 +148,25 @@ def flop_params(model: torch.nn.Module) -> int:
     return sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
 
 
-def step_flops(cfg: ModelConfig, params: int, batch: Batch) -> float:
-    """Model FLOPs of a forward+backward: 6 per (non-embedding) parameter per token, plus causal
-    attention."""
+def attention_flops(cfg: ModelConfig, batch: Batch) -> float:
+    """Causal attention's FLOPs in a forward+backward (the two matmuls of each head over each
+    document's lower triangle, three times)."""
     lengths = (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).double()
-    attn = 6 * cfg.n_layers * cfg.n_heads * cfg.dim_head * float((lengths**2).sum())
-    return 6 * params * batch.ids.numel() + attn
+    return 6 * cfg.n_layers * cfg.n_heads * cfg.dim_head * float((lengths**2).sum())
+
+
+def step_flops(cfg: ModelConfig, params: int, batch: Batch, attention_kept: float = 1.0) -> float:
+    """Model FLOPs a forward+backward executes: 6 per (non-embedding) parameter per token, plus
+    causal attention, of which ACP runs only the kept tiles (`attention_kept`; 1: all of it, the
+    dense count). MFU divides executed FLOPs: counting pruned tiles printed MFUs above 1."""
+    return 6 * params * batch.ids.numel() + attention_kept * attention_flops(cfg, batch)
+
+
+def kept_fraction(acp_counts: tuple[torch.Tensor, torch.Tensor] | None) -> float:
+    """The fraction of causal attention tiles that ran, from ACP's (kept, total) counts (1: no
+    pruning, or no counts)."""
+    skipped = pruned(acp_counts)
+    return 1.0 if skipped is None else 1.0 - skipped
 
 
 def peak_flops(device: torch.device, table: dict[str, float] = PEAK_BF16_FLOPS) -> float | None:
@@ -399,11 +412,15 @@ def train(model: Transformer, data: PackedDataset | Curriculum, cfg: RunParams, 
                "tokens_per_s_per_rank": tokens / seconds / par.world,
                "wall_s": time.perf_counter() - began}  # (since this process began training: all it cost)
         rec |= f.queued.metrics()
+        kept = kept_fraction(f.acp)  # this rank's, for its own micro-batches
         if model.acp is not None:
-            rec["acp_pruned_fraction"] = par.sum(pruned(f.acp)) / par.world
+            rec["acp_pruned_fraction"] = par.sum(1.0 - kept) / par.world
         if peak:
-            flops = par.sum(sum(step_flops(model.cfg, flops_params, b) for b in f.micro)) / par.sp
+            flops = par.sum(sum(step_flops(model.cfg, flops_params, b, kept) for b in f.micro)) / par.sp
             rec["mfu"] = flops / seconds / peak / par.world
+        if model.acp is not None:  # what dense attention would have cost at this speed: not a utilisation
+            dense = par.sum(sum(step_flops(model.cfg, flops_params, b) for b in f.micro)) / par.sp
+            rec["dense_equivalent_tflops"] = dense / seconds / par.world / 1e12
             rec["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         if par.main:
             with log_path.open("a") as fh:

@@ -393,11 +393,13 @@ KEY = ["D", "GROUPS", "SIZE"]
 def _tuned(kernel, options: list[tuple[int, int, int, int]], tune: bool):
     """`kernel` autotuned over (BM, BN, warps, stages) `options`, or with the first alone. The
     tuner launches it once per option and repetition on the caller's own buffers, so every
-    kernel here must be a pure function of what it reads: none may read what it writes."""
+    kernel here must be a pure function of what it reads: none may read what it writes. Its
+    choices go to Triton's cache on disk: each pipeline stage is a new process, and the stages
+    after the first tune nothing they share with it (the SFT stage's shapes are the base's)."""
     if INTERPRET or not tune:
         options = options[:1]
     configs = [triton.Config({"BM": bm, "BN": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in options]
-    return triton.autotune(configs, key=KEY)(kernel)
+    return triton.autotune(configs, key=KEY, cache_results=True)(kernel)
 
 
 def kernels(tune: bool = AUTOTUNE) -> tuple:
