@@ -26,6 +26,7 @@ source bench/gpu_env.sh || exit 1
 SITE=$([ -d /tmp/site ] && echo /tmp/site)   # where gpu_env.sh installed the carried wheels
 command -v git dvc >/dev/null || { echo "gpu_pipeline: git and dvc are needed on PATH" >&2; exit 1; }
 ws=/tmp/longctx-ws-$variant
+[ "$variant" = fox ] && export TRITON_PRINT_AUTOTUNING=1   # what each FoX kernel tuning costs, in the stages' logs
 left() { echo $(( limit - ($(date +%s) - begin) )); }
 collect() {  # (the device returns a limited number of files: the folders travel as one archive)
   cp mlflow.db "$out"/ 2>/dev/null

@@ -294,6 +294,13 @@ class RunParams(Strict):
     offload: bool = False
     """FSDP2 CPU offload of parameters, gradients and optimizer state (GPU runs; the optimizer
     then steps on the CPU): for sequences too long for the GPU otherwise."""
+    offload_activations: bool = False
+    """With full activation checkpointing: each block's saved input goes to pinned host memory
+    during the forward (overlapped) and comes back for its recomputation (GPU runs). At millions
+    of tokens those inputs, not the weights, fill the GPU."""
+    mlp_tile: PositiveInt | None = None
+    """Tokens per MLP tile: the [tokens, ffn_dim] intermediates exist for one tile at a time (the
+    backward runs each tile's forward again). None: untiled."""
     acp_eps: float | None = Field(default=None, gt=0, lt=1)
     """Adaptive Computation Pruning of FoX attention: skip tiles whose entries each carry under
     eps / L of their row (the paper's e^-10 = 4.54e-5). Needs the 'fox' attention backend
@@ -301,6 +308,13 @@ class RunParams(Strict):
     sequence_parallel: PositiveInt = 1
     """Ranks that share each sequence (Ulysses); must divide the world size and the heads."""
     seqpe: SeqPETraining = SeqPETraining()
+
+    @model_validator(mode="after")
+    def _offload_needs_full_recomputation(self) -> RunParams:
+        if self.offload_activations and self.activation_checkpointing != "full":
+            raise ValueError(f"offload_activations moves the block inputs that full recomputation keeps; "
+                             f"activation_checkpointing is {self.activation_checkpointing!r}: set it to full")
+        return self
 
 
 class Phase(Strict):

@@ -18,11 +18,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from . import attention, ulysses
 from .config import ModelConfig
 from .fox import Acp
 from .loss import chunked_cross_entropy
+from .offload import HostOffload
 from .positions import LearnedTable, SeqPE, alibi_slopes
 from .recompute import MODES, Recompute, recomputed
 from .rope import cos_sin, depends_on_length, inverse_frequencies, rotate
@@ -182,8 +184,20 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=False)
         self.up_proj = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=False)
         self.down_proj = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=False)
+        self.tile: int | None = None
+        """Tokens per tile (train's `mlp_tile`): the [tokens, ffn_dim] intermediates exist for one
+        tile at a time, the backward running each tile's forward again (as ALST's tiled MLP). At
+        512K local tokens of the 8B shape each is 14 GiB; untiled, the MLP needs several."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tile is None or x.shape[0] <= self.tile:
+            return self._swiglu(x)
+        tiles = x.split(self.tile)
+        if not torch.is_grad_enabled():
+            return torch.cat([self._swiglu(t) for t in tiles])
+        return torch.cat([checkpoint(self._swiglu, t, use_reentrant=False) for t in tiles])
+
+    def _swiglu(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -195,12 +209,17 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = MLP(cfg)
         self.recompute: Recompute = "none"
+        self.offload: HostOffload | None = None
+        """Where full recomputation keeps the block's input (train's `offload_activations`)."""
 
     def forward(self, x: torch.Tensor, ctx: Context) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(output, ACP's tile counts or None): the counts are returned, not recorded, so the
         block has no side effects to trip torch.compile or to count twice when recomputed."""
         if ctx.cache is not None or not torch.is_grad_enabled():
             return self._residual(x, ctx)
+        if self.offload is not None:
+            with self.offload.hooks():  # (what the checkpoint saves: the block's input alone)
+                return recomputed(self._residual, self.recompute, x, ctx)
         return recomputed(self._residual, self.recompute, x, ctx)
 
     def _residual(self, x: torch.Tensor, ctx: Context) -> tuple[torch.Tensor, torch.Tensor | None]:

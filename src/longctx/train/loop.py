@@ -25,12 +25,13 @@ import torch
 
 from ..config import RunParams
 from ..data.loader import Curriculum, PackedDataset
-from ..errors import LongctxError
+from ..errors import ConfigError, LongctxError
 from ..io import clear_stale
 from ..model.config import ModelConfig
 from ..model.fox import Acp
 from ..model.fox.acp import pruned
 from ..model.loss import IGNORE, shift_labels
+from ..model.offload import HostOffload
 from ..model.transfer import to_device
 from ..model.transformer import Transformer, packed_positions
 from ..progress import progress
@@ -361,6 +362,11 @@ def prepare(model: Transformer, cfg: RunParams, par: Parallel) -> Transformer:
     (`par.sp_group`), FSDP2 (mixed precision on GPUs, optional offload), compiled blocks on CUDA."""
     model.recompute = cfg.activation_checkpointing
     model.acp = Acp(cfg.acp_eps) if cfg.acp_eps else None
+    if cfg.offload_activations and par.device.type != "cuda":
+        raise ConfigError("offload_activations: moves activations from the GPU to host memory; this run has no GPU")
+    offload = HostOffload(par.device) if cfg.offload_activations else None
+    for block in model.layers:
+        block.mlp.tile, block.offload = cfg.mlp_tile, offload
     sequence_parallel(model, par.sp_group)
     shard(model, par, offload=cfg.offload)
     if cfg.compile and par.device.type == "cuda":

@@ -1,0 +1,98 @@
+"""Activation checkpoints in host memory (train's `offload_activations`). Under full recomputation
+a block keeps only its input for the backward: [local tokens, d_model] per layer, at 1M tokens of
+the 8B shape on two GPUs 4 GiB a layer, 128 GiB over 32 layers, more than a GPU holds beside the
+model. Each input goes to pinned host memory as the forward passes it (a copy on a side stream,
+overlapped with the next blocks) and comes back for its block's recomputation; the backward
+visits the blocks in reverse, so when one is taken back the copy of the one saved before it
+starts (a prefetch, overlapped with this block's backward)."""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+MIN_BYTES = 1 << 20
+"""Smaller saved tensors stay where they are: their copies would cost more than they free."""
+
+
+class _OnHost:
+    """One saved tensor in host memory, the event its copy there recorded (GPU), and its copy
+    back to the device once started: (tensor, the event it waits on)."""
+
+    __slots__ = ("host", "device", "copied", "back", "__weakref__")
+
+    def __init__(self, host: torch.Tensor, device: torch.device, copied: torch.cuda.Event | None):
+        self.host, self.device, self.copied = host, device, copied
+        self.back: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
+
+
+class HostOffload:
+    """saved_tensors_hooks that move what they save from `device` to host memory and back. One
+    instance serves every block of a model: the prefetch follows the order of saving."""
+
+    def __init__(self, device: torch.device, min_bytes: int = MIN_BYTES):
+        self.device = device
+        self.min_bytes = min_bytes
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._saved: list[weakref.ref[_OnHost]] = []
+        """On the host and not yet taken back, in the order of saving (a graph freed without a
+        backward drops its own)."""
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor | _OnHost:
+        if t.device != self.device or t.numel() * t.element_size() < self.min_bytes:
+            return t
+        host = torch.empty_like(t, device="cpu", pin_memory=self.stream is not None)
+        copied = None
+        if self.stream is None:
+            host.copy_(t)
+        else:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))  # t is complete
+            with torch.cuda.stream(self.stream):
+                host.copy_(t, non_blocking=True)
+                copied = torch.cuda.Event()
+                copied.record(self.stream)
+            t.record_stream(self.stream)  # its memory is not reused before the copy is done
+        item = _OnHost(host, t.device, copied)
+        self._saved = [r for r in self._saved if r() is not None] + [weakref.ref(item)]
+        return item
+
+    def _unpack(self, item: torch.Tensor | _OnHost) -> torch.Tensor:
+        if not isinstance(item, _OnHost):
+            return item
+        alive = [r() for r in self._saved]
+        alive = [x for x in alive if x is not None]
+        if item in alive:
+            i = alive.index(item)
+            if i > 0:
+                self._start_back(alive[i - 1])
+            alive.pop(i)
+            self._saved = [weakref.ref(x) for x in alive]
+        if item.back is None:
+            self._start_back(item)
+        t, ready = item.back
+        item.back = None  # (unpacked again, it is copied again)
+        if ready is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(ready)
+            t.record_stream(current)
+        return t
+
+    def _start_back(self, item: _OnHost) -> None:
+        if item.back is not None:
+            return
+        if self.stream is None:
+            item.back = (item.host.to(item.device, copy=True), None)
+            return
+        with torch.cuda.stream(self.stream):  # after its copy to the host, on the same stream
+            t = item.host.to(item.device, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(self.stream)
+        item.back = (t, ready)
+
+    def pending(self) -> int:
+        """Saved tensors on the host not yet taken back."""
+        return sum(r() is not None for r in self._saved)

@@ -1,0 +1,145 @@
+"""Memory for length, checked on a CPU: the token-tiled MLP and the host offload of full
+recomputation's block inputs compute exactly what the untiled, kept path computes (loss and
+every gradient), under each recomputation mode and compiled; the tiled MLP keeps no
+[tokens, ffn_dim] tensor for the backward; the offload takes back everything it moved, the
+block saved last first, and starts each earlier one's copy as the later one is taken; both are
+params a training stage validates."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_training_speed import LAYOUTS, small, step, twins
+
+from longctx.config import RunParams
+from longctx.errors import ConfigError
+from longctx.model.offload import HostOffload
+from longctx.train.compiled import compile_blocks
+from longctx.train.loop import prepare
+from longctx.train.parallel import Parallel
+
+TILE = 24  # divides none of the layouts' 128 tokens
+
+
+def assert_same(a, b, atol=1e-6):
+    (la, ga), (lb, gb) = a, b
+    torch.testing.assert_close(la, lb, rtol=1e-6, atol=0)
+    for x, y in zip(ga, gb, strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=atol)
+
+
+def tiled(model, tile: int = TILE):
+    for block in model.layers:
+        block.mlp.tile = tile
+    return model
+
+
+@pytest.mark.parametrize("arch", ["llama", "fox"])
+@pytest.mark.parametrize("mode", ["none", "full", "selective", "attention"])
+def test_the_tiled_mlp_gives_the_same_loss_and_gradients(arch, mode):
+    plain, other = twins(arch)
+    plain.recompute = tiled(other).recompute = mode
+    for i, cuts in enumerate(LAYOUTS):
+        assert_same(step(plain, cuts, i), step(other, cuts, i))
+
+
+def test_the_tiled_mlp_compiles_whole_and_matches_eager():
+    eager, compiled = twins("llama")
+    tiled(eager)
+    tiled(compiled).recompute = eager.recompute = "full"
+    torch._dynamo.reset()
+    compile_blocks(compiled, backend="aot_eager", fullgraph=True)  # fullgraph: a graph break is an error
+    for i, cuts in enumerate(LAYOUTS):
+        assert_same(step(eager, cuts, i), step(compiled, cuts, i), atol=1e-5)
+
+
+def saved_shapes(model, cuts) -> list[tuple[int, ...]]:
+    """Shapes of every tensor autograd keeps from a forward for the backward."""
+    shapes = []
+
+    def pack(t):
+        shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        step(model, cuts, 0)
+    return shapes
+
+
+def test_the_tiled_mlp_keeps_no_whole_sequence_intermediate():
+    cfg = small("llama")
+    plain, other = twins("llama")
+    whole = [s for s in saved_shapes(plain, [0, 128]) if s == (128, cfg.ffn_dim)]
+    assert len(whole) >= 2 * cfg.n_layers  # untiled: gate and up outputs of every block
+    kept = saved_shapes(tiled(other), [0, 128])
+    assert not [s for s in kept if cfg.ffn_dim in s], kept  # tiled: only tiles' inputs ([<= 24, d_model])
+    assert max(s[0] for s in kept if s[-1] == cfg.d_model and len(s) == 2) == 128  # (the blocks' own inputs)
+
+
+class Recorder(HostOffload):
+    """The offload, recording which saved tensor (by its order of saving) was taken back and
+    whose copy back was started, in order."""
+
+    def __init__(self):
+        super().__init__(torch.device("cpu"), min_bytes=0)
+        self.order, self.events = {}, []
+
+    def _pack(self, t):
+        item = super()._pack(t)
+        self.order[id(item)] = len(self.order)
+        return item
+
+    def _unpack(self, item):
+        self.events.append(("take", self.order[id(item)]))
+        return super()._unpack(item)
+
+    def _start_back(self, item):
+        if item.back is None:
+            self.events.append(("copy", self.order[id(item)]))
+        super()._start_back(item)
+
+
+@pytest.mark.parametrize("arch", ["llama", "fox"])
+def test_offloaded_block_inputs_give_the_same_loss_and_gradients(arch):
+    plain, other = twins(arch)
+    plain.recompute = other.recompute = "full"
+    offload = Recorder()
+    for block in other.layers:
+        block.offload = offload
+    blocks = small(arch).n_layers
+    for i, cuts in enumerate(LAYOUTS):
+        offload.order.clear()
+        offload.events.clear()
+        assert_same(step(plain, cuts, i), step(other, cuts, i))
+        assert len(offload.order) == blocks  # each block's input, nothing else
+        assert offload.pending() == 0  # all taken back
+        # the backward takes the last block's input first; taking block k starts block k-1's copy
+        takes = [k for what, k in offload.events if what == "take"]
+        assert takes == list(range(blocks - 1, -1, -1))
+        for k in range(1, blocks):
+            assert offload.events.index(("copy", k - 1)) < offload.events.index(("take", k - 1))
+            assert offload.events.index(("copy", k - 1)) > offload.events.index(("take", k))
+
+
+def test_offload_and_tiling_together_under_full_recomputation():
+    plain, other = twins("fox")
+    plain.recompute = tiled(other).recompute = "full"
+    offload = HostOffload(torch.device("cpu"), min_bytes=0)
+    for block in other.layers:
+        block.offload = offload
+    for i, cuts in enumerate(LAYOUTS):
+        assert_same(step(plain, cuts, i), step(other, cuts, i))
+    assert offload.pending() == 0
+
+
+def test_the_memory_params_are_validated():
+    with pytest.raises(ValueError, match="offload_activations .* is .selective.: set it to full"):
+        RunParams(steps=1, lr=1e-3, offload_activations=True, activation_checkpointing="selective")
+    with pytest.raises(ValueError, match="mlp_tile"):
+        RunParams(steps=1, lr=1e-3, mlp_tile=0)
+    model, _ = twins("llama")
+    with pytest.raises(ConfigError, match="offload_activations: .* this run has no GPU"):
+        prepare(model, RunParams(steps=1, lr=1e-3, offload_activations=True, activation_checkpointing="full"),
+                Parallel(device=torch.device("cpu")))
+    prepare(model, RunParams(steps=1, lr=1e-3, mlp_tile=64), Parallel(device=torch.device("cpu")))
+    assert all(block.mlp.tile == 64 and block.offload is None for block in model.layers)
