@@ -12,7 +12,8 @@ Settings (--settings):
   sp         --sp-seq tokens (512K) per sequence, Ulysses over all ranks (ProLong stage 2: SP 8)
   fox-fsdp   the FoX (Pro) variant of the same shape (no RoPE), the `fox` kernel with ACP
   fox-sp     the same with sequence parallelism
---offload keeps parameters, gradients and optimizer state in host memory (FSDP2 CPU offload).
+--offload keeps parameters, gradients and optimizer state in host memory (FSDP2 CPU offload);
+--offload-activations full recomputation's block inputs; --mlp-tile N runs the MLP N tokens at a time.
 Data: generated packed sequences (random tokens): documents with lengths drawn log-uniformly
 between 1K tokens and the sequence length, the last one cut to fit. A step's sequences are dealt to
 the ranks as the training loop deals them: sorted by attention cost (the sum of squared document
@@ -21,8 +22,9 @@ reordering; --no-reorder deals them as generated, and with --accum 1 gives each 
 draw, which leaves the faster rank waiting at every collective). The FoX variant's forget
 gates are at their initialisation (biases spread over 1..6 per layer), so ACP prunes what those
 gates allow, which is less than trained gates would.
-Reported per setting: tokens/s/GPU, MFU (over the datasheet peak and over the measured bf16
-matmul rate), peak memory per GPU, the steps' losses, compile time and graphs, and for FoX with
+Reported per setting: tokens/s/GPU, MFU of the executed FLOPs (over the datasheet peak and over the
+measured bf16 matmul rate; ACP's skipped tiles not counted, their dense-equivalent rate apart), peak
+memory per GPU and of the host process, the steps' losses, compile time and graphs, and for FoX with
 ACP the pruned tile fraction. Compare runs at 1, 2, 4, 8 GPUs (the JSON holds the world size)
 for scaling efficiency. ProLong's anchor (Table 15): 8B at 64K on 8 x H100 with FSDP, 2770
 tokens/s/GPU (full attention) and 3095 (variable-length attention + minibatch reordering).
@@ -96,10 +98,11 @@ def run_setting(name: str, args, base_par) -> dict:
     row = {"setting": name, "model": "FoX (Pro)" if fox else "Transformer", "shape": args.shape, "seq": seq,
            "world": par.world, "sp": sp, "recompute": args.recompute, "offload": args.offload,
            "acp": backend == "fox", "docs": "generated, log-uniform 1K..seq", "accum": args.accum,
-           "reorder": not args.no_reorder}
+           "reorder": not args.no_reorder, "mlp_tile": args.mlp_tile, "offload_activations": args.offload_activations}
     try:
         run = prepared(cfg, par, compile=not args.no_compile, recompute=args.recompute, acp=backend == "fox",
-                       offload=args.offload, backend=backend)
+                       offload=args.offload, backend=backend, mlp_tile=args.mlp_tile,
+                       offload_activations=args.offload_activations)
         row["compiled"] = run.cfg.compile and par.device.type == "cuda"
         batches = functools.partial(step_batches, seq, cfg.vocab_size, accum=args.accum, par=par,
                                     reorder=not args.no_reorder)
@@ -196,6 +199,10 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="one more step under torch.profiler per setting: "
                     "each rank's kernel time by kind and idle time")
     ap.add_argument("--offload", action="store_true", help="FSDP2 CPU offload of parameters, gradients, optimizer")
+    ap.add_argument("--mlp-tile", type=int, help="tokens per MLP tile (the [tokens, ffn] intermediates one tile "
+                    "at a time; default: untiled)")
+    ap.add_argument("--offload-activations", action="store_true", help="full recomputation's block inputs in "
+                    "pinned host memory (with --recompute full)")
     ap.add_argument("--no-compile", action="store_true", help="eager blocks (compiled is the default on CUDA)")
     ap.add_argument("--tag", default="", help="appended to the result file's name")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
@@ -221,11 +228,12 @@ def main() -> None:
     if par.main:
         print(f"\n{args.shape}, {par.world} x {torch.cuda.get_device_name() if gpu else 'CPU'}")
         print(f"{'setting':<9} {'seq':>7} {'sp':>3} {'tokens/s/GPU':>13} {'MFU':>6} {'MFU/790':>7} {'peak GiB':>9} "
-              f"{'pruned':>7} {'dense TF/s':>10} {'1st s':>6}")
+              f"{'host GiB':>8} {'pruned':>7} {'dense TF/s':>10} {'1st s':>6}")
         for r in rows:
             speed = r.get("tokens_per_s_per_gpu", r.get("error", "fits" if r.get("fits") else "-"))
             print(f"{r['setting']:<9} {r['seq']:>7} {r['sp']:>3} {speed:>13} {r.get('mfu', '-'):>6} "
                   f"{r.get('mfu_matmul_ceiling', '-'):>7} {r.get('peak_memory_gib', '-'):>9} "
+                  f"{r.get('peak_host_memory_gib', '-'):>8} "
                   f"{r.get('acp_pruned_fraction', '-'):>7} {r.get('dense_equivalent_tflops', '-'):>10} "
                   f"{r.get('first_step_s', '-'):>6}")
         print(f"ProLong Table 15 (8B, 64K, 8 x H100, FSDP): {PROLONG_8B_64K} tokens/s/GPU")

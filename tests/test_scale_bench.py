@@ -30,7 +30,7 @@ def run(cmd: list[str], out) -> dict:
 def test_two_ranks_report_every_setting_and_match_one_process(tmp_path):
     two = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *ARGS,
                "--settings", "fsdp", "sp", "fox-fsdp"], tmp_path / "two")
-    one = run([sys.executable, *ARGS, "--settings", "sp"], tmp_path / "one")
+    one = run([sys.executable, *ARGS, "--settings", "sp", "--mlp-tile", "300"], tmp_path / "one")  # (same losses)
     rows = {r["setting"]: r for r in two["rows"]}
     assert two["world"] == 2 and set(rows) == {"fsdp", "sp", "fox-fsdp"}
     assert rows["sp"]["sp"] == 2 and rows["fsdp"]["sp"] == 1
@@ -38,6 +38,8 @@ def test_two_ranks_report_every_setting_and_match_one_process(tmp_path):
         assert r["tokens_per_s_per_gpu"] > 0 and len(r["losses"]) == 1 + 2 * 1  # warm-up, isolated, queued
     assert 0.0 <= rows["fox-fsdp"]["acp_pruned_fraction"] < 1.0
     assert rows["sp"]["losses"] == pytest.approx(one["rows"][0]["losses"], rel=1e-5)
+    assert one["rows"][0]["mlp_tile"] == 300 and rows["sp"]["mlp_tile"] is None
+    assert all(r["peak_host_memory_gib"] > 0 for r in [*rows.values(), *one["rows"]])
 
     # scaling efficiency across the two runs: sp at 1 and 2 processes, the smaller as the base
     sys.path.insert(0, str(REPO / "bench"))

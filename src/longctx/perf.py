@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime
 import json
 import math
+import resource
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,11 +64,14 @@ class Run:
 
 
 def prepared(cfg: ModelConfig, par: Parallel, *, compile: bool, recompute: str = "none", acp: bool = False,
-             offload: bool = False, backend: str = "auto", lr: float = 1e-4) -> Run:
+             offload: bool = False, backend: str = "auto", lr: float = 1e-4, mlp_tile: int | None = None,
+             offload_activations: bool = False) -> Run:
     """A fresh model of `cfg` made on the device and prepared by the training loop's own
-    `prepare` (FSDP2 mixed precision, compiled blocks, checkpointing, ACP)."""
+    `prepare` (FSDP2 mixed precision, compiled blocks, checkpointing, ACP, the tiled MLP,
+    activations in host memory)."""
     return prepared_as(cfg, par, RunParams(steps=1, lr=lr, compile=compile, activation_checkpointing=recompute,
-                                           acp_eps=ACP_EPS if acp else None, offload=offload), backend)
+                                           acp_eps=ACP_EPS if acp else None, offload=offload, mlp_tile=mlp_tile,
+                                           offload_activations=offload_activations), backend)
 
 
 def prepared_as(cfg: ModelConfig, par: Parallel, loop: RunParams, backend: str = "auto") -> Run:
@@ -135,10 +139,13 @@ def measure(run: Run, batches, steps: int, warmup: int = 2) -> dict:
 
 
 def peak_memory(par: Parallel) -> dict:
-    """The mean over ranks of each one's peak GPU memory (nothing on a CPU)."""
-    if par.device.type != "cuda":
-        return {}
-    return {"peak_memory_gib": round(par.sum(torch.cuda.max_memory_allocated(par.device)) / par.world / 2**30, 2)}
+    """The mean over ranks of each one's peak GPU memory (nothing on a CPU), and of each process's
+    peak resident host memory over its lifetime (offloaded state and activations live there)."""
+    host = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # (kilobytes on Linux)
+    out = {"peak_host_memory_gib": round(par.sum(host) / par.world / 2**30, 2)}
+    if par.device.type == "cuda":
+        out["peak_memory_gib"] = round(par.sum(torch.cuda.max_memory_allocated(par.device)) / par.world / 2**30, 2)
+    return out
 
 
 KINDS = [("attention", ("flash", "fmha", "attn", "cudnn", "_fwd_kernel", "_dq_kernel", "_dkdv_kernel",
