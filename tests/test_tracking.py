@@ -64,3 +64,21 @@ def test_runs_a_stopped_pipeline_left_running_end_killed(tmp_path, monkeypatch, 
     status = {r.info.run_name: r.info.status for r in client.search_runs([experiment])}
     assert status == {"pipeline": "FAILED", "base": "KILLED", "pretrain": "KILLED", "pretrain_stage1": "KILLED",
                       "another pipeline's": "RUNNING"}, status
+
+
+def test_step_metrics_reach_the_store_together_and_every_one(tmp_path, monkeypatch):
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    with stage_run(TrackingParams(), tmp_path, "base", {"seed": 0}, section="train") as tracker:
+        run = mlflow.active_run().info.run_id
+        for step in range(1, 51):
+            tracker.metrics({"loss": 1.0 / step, "tokens_per_s": 100.0 * step}, step=step)
+        assert [m.step for m in client.get_metric_history(run, "train/loss")] == [1]  # the first at once
+        tracker.metrics({"val_loss": 0.5})  # (no step: written now)
+        assert len(client.get_metric_history(run, "train/val_loss")) == 1
+    for key, value in (("train/loss", lambda s: 1.0 / s), ("train/tokens_per_s", lambda s: 100.0 * s)):
+        history = sorted(client.get_metric_history(run, key), key=lambda m: m.step)
+        assert [(m.step, m.value) for m in history] == [(s, value(s)) for s in range(1, 51)]
