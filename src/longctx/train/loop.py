@@ -163,7 +163,7 @@ def step_flops(cfg: ModelConfig, params: int, batch: Batch, attention_kept: floa
     return 6 * params * batch.ids.numel() + attention_kept * attention_flops(cfg, batch)
 
 
-def kept_fraction(acp_counts: tuple[torch.Tensor, torch.Tensor] | None) -> float:
+def kept_fraction(acp_counts: tuple[torch.Tensor, torch.Tensor] | list[float] | None) -> float:
     """The fraction of causal attention tiles that ran, from ACP's (kept, total) counts (1: no
     pruning, or no counts)."""
     skipped = pruned(acp_counts)
@@ -219,6 +219,32 @@ def train_step(model: Transformer, opt: torch.optim.Optimizer, micro: list[Batch
     return queue_step(model, opt, micro, par, clip, loss_chunk).result()
 
 
+class Readback:
+    """Scalars still on the device, copied to the host behind the work that makes them: reading
+    them waits for that work alone. (`float()` of a CUDA tensor waits for everything queued so
+    far: read after the next step was queued, it waited for that step too, and the GPU idled
+    while the host logged and loaded the step after.)"""
+
+    def __init__(self, values: list[torch.Tensor | float]):
+        self._given = [None if isinstance(v, torch.Tensor) else float(v) for v in values]
+        tensors = [v.detach().reshape(()).double() for v in values if isinstance(v, torch.Tensor)]
+        self._ready = None
+        if tensors and tensors[0].is_cuda:
+            self._host = torch.empty(len(tensors), dtype=torch.float64, pin_memory=True)
+            self._host.copy_(torch.stack(tensors), non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._read = [float(t) for t in tensors]
+
+    def read(self) -> list[float]:
+        if self._ready is not None:
+            self._ready.synchronize()
+            self._read, self._ready = self._host.tolist(), None
+        read = iter(self._read)
+        return [next(read) if v is None else v for v in self._given]
+
+
 class QueuedStep:
     """A step whose update is queued: its loss and gradient norm may still be on the device.
     The training loop reads them (`result`) after queuing the next step, so between steps the
@@ -227,23 +253,24 @@ class QueuedStep:
     def __init__(self, loss: torch.Tensor | float, norm: torch.Tensor | float, valid: int,
                  opt: torch.optim.Optimizer, extras: dict[str, torch.Tensor] | None = None,
                  timer: _StepTimer | None = None):
-        self._loss, self._norm, self.valid, self._opt = loss, norm, valid, opt
-        self.extras = extras or {}
-        """Other losses of the step (SeqPE's regularisers), on the device; `timer` times them."""
+        self.valid, self._opt = valid, opt
+        self._names = list(extras or {})
+        """Other losses of the step (SeqPE's regularisers); `timer` times them."""
+        self._values = Readback([loss, norm, *(extras or {}).values()])
         self.timer = timer
 
     def result(self) -> StepResult:
         """Waits for the step; raises TrainingDiverged when its loss, an extra loss (SeqPE's) or
         the gradient norm is not finite (on one GPU fused AdamW has then already skipped its
         update), naming the first that is not."""
-        loss, norm = float(self._loss), float(self._norm)
-        _check_finite([("loss", loss), *_floats(self.extras), ("gradient norm", norm)], self._opt)
+        loss, norm, *extras = self._values.read()
+        _check_finite([("loss", loss), *zip(self._names, extras, strict=True), ("gradient norm", norm)], self._opt)
         return StepResult(loss, norm, self.valid)
 
     def metrics(self) -> dict[str, float]:
         """The extra losses, and their milliseconds as `seqpe_regularisers_ms`."""
         timed = {"seqpe_regularisers_ms": self.timer.seconds() * 1e3} if self.timer is not None else {}
-        return dict(_floats(self.extras)) | timed
+        return dict(zip(self._names, self._values.read()[2:], strict=True)) | timed
 
 
 def _floats(values: dict[str, torch.Tensor]) -> list[tuple[str, float]]:
@@ -346,7 +373,13 @@ class _InFlight:
     lr: float
     queued: QueuedStep
     timer: _StepTimer
-    acp: tuple[torch.Tensor, torch.Tensor] | None
+    acp: Readback | None
+    """ACP's kept and total tiles of the step."""
+
+
+def _acp_counts(model: Transformer) -> Readback | None:
+    counts = model.acp.stats.take() if model.acp is not None else None
+    return Readback(list(counts)) if counts is not None else None
 
 
 def _diverged(e: TrainingDiverged, step: int, samples: list[int], data: PackedDataset | Curriculum,
@@ -418,7 +451,7 @@ def train(model: Transformer, data: PackedDataset | Curriculum, cfg: RunParams, 
                "tokens_per_s_per_rank": tokens / seconds / par.world,
                "wall_s": time.perf_counter() - began}  # (since this process began training: all it cost)
         rec |= f.queued.metrics()
-        kept = kept_fraction(f.acp)  # this rank's, for its own micro-batches
+        kept = kept_fraction(f.acp.read() if f.acp is not None else None)  # this rank's, for its own micro-batches
         if model.acp is not None:
             rec["acp_pruned_fraction"] = par.sum(1.0 - kept) / par.world
         if peak:
@@ -454,7 +487,7 @@ def train(model: Transformer, data: PackedDataset | Curriculum, cfg: RunParams, 
             raise _diverged(e, step, samples, data, ckpt_dir) from None
         timer.stop()
         in_flight.append(_InFlight(step, samples, micro, lr, queued, timer,
-                                   model.acp.stats.take() if model.acp is not None else None))
+                                   _acp_counts(model)))
         # read each step after the next is queued; every one before a checkpoint is written
         save = (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps
         while len(in_flight) > (0 if save else 1):
