@@ -117,11 +117,12 @@ def test_reading_a_step_does_not_wait_for_the_next(arch):
     run = prepared(config(arch), Parallel(device=DEV), compile=False, acp=arch == "fox", lr=2e-3)
     for i in range(2):  # warm-up: the first step's allocations and kernel choices
         run.step(batch(i))
-    first = queue_step(run.model, run.opt, batch(2, 16384), run.par, 1.0)
+    first = queue_step(run.model, run.opt, batch(2), run.par, 1.0)
     counts = Readback(list(run.model.acp.stats.take())) if arch == "fox" else None
-    second = queue_step(run.model, run.opt, batch(3, 16384), run.par, 1.0)
+    second = queue_step(run.model, run.opt, batch(3), run.par, 1.0)
+    torch.cuda._sleep(2_000_000_000)  # step k+1 made long: ~1 s of GPU time behind it
     loss = first.result().loss
-    pending = not torch.cuda.current_stream().query()  # step k+1 still queued or running
+    pending = not torch.cuda.current_stream().query()  # what was queued after step k still runs
     if counts is not None:
         kept, total = counts.read()
         assert 0 < kept <= total
