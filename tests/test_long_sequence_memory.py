@@ -121,6 +121,13 @@ def test_offloaded_block_inputs_give_the_same_loss_and_gradients():
             assert offload.events.index(("copy", k - 1)) > offload.events.index(("take", k))
 
 
+def test_the_offload_takes_tensors_of_its_device_named_with_or_without_an_index():
+    from longctx.model.offload import on
+
+    cuda, first, second = torch.device("cuda"), torch.device("cuda:0"), torch.device("cuda:1")
+    assert on(first, cuda) and on(first, first) and not on(second, first) and not on(torch.device("cpu"), cuda)
+
+
 def test_offload_and_tiling_together_under_full_recomputation():
     plain, other = twins("llama")
     plain.recompute = tiled(other).recompute = "full"

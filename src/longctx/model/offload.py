@@ -16,6 +16,12 @@ MIN_BYTES = 1 << 20
 """Smaller saved tensors stay where they are: their copies would cost more than they free."""
 
 
+def on(where: torch.device, device: torch.device) -> bool:
+    """Whether a tensor `where` is on `device` ("cuda" holds cuda:0's: the first H100 run compared
+    them with `==` and offloaded nothing)."""
+    return where.type == device.type and (device.index is None or where.index == device.index)
+
+
 class _OnHost:
     """One saved tensor in host memory, the event its copy there recorded (GPU), and its copy
     back to the device once started: (tensor, the event it waits on)."""
@@ -43,7 +49,7 @@ class HostOffload:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor | _OnHost:
-        if t.device != self.device or t.numel() * t.element_size() < self.min_bytes:
+        if not on(t.device, self.device) or t.numel() * t.element_size() < self.min_bytes:
             return t
         host = torch.empty_like(t, device="cpu", pin_memory=self.stream is not None)
         copied = None
