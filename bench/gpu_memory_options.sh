@@ -17,8 +17,13 @@ variant() {  # name, then scale.py's arguments
   shift
   echo "== $name: $*" | tee -a "$log"
   timeout -k 5 "${EACH:-200}" python3 bench/scale.py --shape "$shape" --settings fsdp --recompute full \
-    --tag="-$shape-$name" --out "$out" "$@" 2>&1 | grep -v '^{' | tail -n 5 | tee -a "$log"
+    --tag="-$shape-$name" --out "$out" "$@" >"$out/$name.out" 2>&1
+  local status=$?
+  grep -v '^{' "$out/$name.out" | tail -n 5 | tee -a "$log"
+  rm -f "$out/$name.out"
+  if [ "$status" != 0 ]; then echo "== $name: exit $status" | tee -a "$log"; failed=1; fi
 }
+failed=0
 options=(plain "" tiled "--mlp-tile $tile" offloaded "--offload-activations" both "--mlp-tile $tile --offload-activations")
 for ((i = 0; i < ${#options[@]}; i += 2)); do
   # shellcheck disable=SC2086  # (the options split into arguments)
@@ -28,3 +33,4 @@ variant "plain-$long" --fsdp-seq "$long" --fit
 # shellcheck disable=SC2086
 variant "both-$long" --fsdp-seq "$long" --fit --mlp-tile "$tile" --offload-activations
 ls "$out"
+exit "$failed"

@@ -70,7 +70,10 @@ def test_step_metrics_reach_the_store_together_and_every_one(tmp_path, monkeypat
     import mlflow
     from mlflow.tracking import MlflowClient
 
+    from longctx import tracking
+
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setattr(tracking, "FLUSH_SECONDS", 3600.0)  # nothing written after the first but by the end
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     with stage_run(TrackingParams(), tmp_path, "base", {"seed": 0}, section="train") as tracker:
         run = mlflow.active_run().info.run_id
@@ -82,3 +85,13 @@ def test_step_metrics_reach_the_store_together_and_every_one(tmp_path, monkeypat
     for key, value in (("train/loss", lambda s: 1.0 / s), ("train/tokens_per_s", lambda s: 100.0 * s)):
         history = sorted(client.get_metric_history(run, key), key=lambda m: m.step)
         assert [(m.step, m.value) for m in history] == [(s, value(s)) for s in range(1, 51)]
+    with stage_run(TrackingParams(), tmp_path, "pretrain", {"seed": 0}, section="train") as tracker:
+        parent = mlflow.active_run().info.run_id
+        tracker.metrics({"loss": 9.0}, step=1)
+        with tracker.nested("pretrain_stage1", {}) as child:
+            stage = mlflow.active_run().info.run_id
+            for step in range(1, 4):
+                child.metrics({"loss": float(step)}, step=step)
+        tracker.metrics({"loss": 8.0}, step=2)  # kept, then written at the parent's end
+    assert [(m.step, m.value) for m in client.get_metric_history(stage, "train/loss")] == [(1, 1.0), (2, 2.0), (3, 3.0)]
+    assert sorted((m.step, m.value) for m in client.get_metric_history(parent, "train/loss")) == [(1, 9.0), (2, 8.0)]

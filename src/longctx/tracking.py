@@ -119,21 +119,23 @@ class Tracker:
         if step is None:
             self._record("log_metrics", clean)
             return
-        if not self._mlflow or _server_lost:
+        active = self._mlflow.active_run() if self._mlflow and not _server_lost else None
+        if active is None:
             return
         from mlflow.entities import Metric
 
-        run, now = self._mlflow.active_run().info.run_id, time.time()
+        run, now = active.info.run_id, time.time()
         self._steps += [(run, Metric(k, v, int(now * 1000), step)) for k, v in clean.items()]
         if now - self._flushed >= FLUSH_SECONDS:
             self.flush()
 
     def flush(self) -> None:
-        """Write the per-step metrics kept so far."""
-        steps, self._steps, self._flushed = self._steps, [], time.time()
-        for run in dict.fromkeys(r for r, _ in steps):
-            entries = [m for r, m in steps if r == run]
+        """Write the per-step metrics kept so far (kept for the next try if the store refuses)."""
+        self._flushed = time.time()
+        for run in dict.fromkeys(r for r, _ in self._steps):
+            entries = [m for r, m in self._steps if r == run]
             self._record(lambda run=run, entries=entries: self._mlflow.MlflowClient().log_batch(run, metrics=entries))
+            self._steps = [(r, m) for r, m in self._steps if r != run]
 
     def artifact(self, path: Path, folder: str | None = None) -> None:
         if Path(path).exists():

@@ -71,14 +71,13 @@ class HostOffload:
             return item
         alive = [r() for r in self._saved]
         alive = [x for x in alive if x is not None]
+        self._start_back(item)  # (first: the prefetch below queues behind it on the same stream)
         if item in alive:
             i = alive.index(item)
             if i > 0:
                 self._start_back(alive[i - 1])
             alive.pop(i)
             self._saved = [weakref.ref(x) for x in alive]
-        if item.back is None:
-            self._start_back(item)
         t, ready = item.back
         item.back = None  # (unpacked again, it is copied again)
         if ready is not None:

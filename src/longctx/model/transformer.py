@@ -187,7 +187,8 @@ class MLP(nn.Module):
         self.tile: int | None = None
         """Tokens per tile (train's `mlp_tile`): the [tokens, ffn_dim] intermediates exist for one
         tile at a time, the backward running each tile's forward again (as ALST's tiled MLP). At
-        512K local tokens of the 8B shape each is 14 GiB; untiled, the MLP needs several."""
+        512K local tokens of the 8B shape each is 14 GiB; untiled, the MLP needs several. (A
+        compiled block specialises on the tile count: a stage's packed sequences keep it fixed.)"""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tile is None or x.shape[0] <= self.tile:

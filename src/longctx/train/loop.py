@@ -223,7 +223,8 @@ class Readback:
     """Scalars still on the device, copied to the host behind the work that makes them: reading
     them waits for that work alone. (`float()` of a CUDA tensor waits for everything queued so
     far: read after the next step was queued, it waited for that step too, and the GPU idled
-    while the host logged and loaded the step after.)"""
+    while the host logged and loaded the step after. One GPU: distributed steps still wait in
+    their collectives' reads.)"""
 
     def __init__(self, values: list[torch.Tensor | float]):
         self._given = [None if isinstance(v, torch.Tensor) else float(v) for v in values]
@@ -457,10 +458,11 @@ def train(model: Transformer, data: PackedDataset | Curriculum, cfg: RunParams, 
         if peak:
             flops = par.sum(sum(step_flops(model.cfg, flops_params, b, kept) for b in f.micro)) / par.sp
             rec["mfu"] = flops / seconds / peak / par.world
+        if device.type == "cuda":
+            rec["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         if model.acp is not None:  # what dense attention would have cost at this speed: not a utilisation
             dense = par.sum(sum(step_flops(model.cfg, flops_params, b) for b in f.micro)) / par.sp
             rec["dense_equivalent_tflops"] = dense / seconds / par.world / 1e12
-            rec["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         if par.main:
             with log_path.open("a") as fh:
                 fh.write(json.dumps(rec) + "\n")
