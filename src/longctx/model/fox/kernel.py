@@ -377,6 +377,12 @@ AUTOTUNE = os.environ.get("LONGCTX_FOX_AUTOTUNE", "1") != "0"
 """LONGCTX_FOX_AUTOTUNE=0: the first configuration of each kernel, no tuning runs (each new head
 dim, group size and length class otherwise compiles and times every configuration, ~30 s)."""
 
+TUNING_CACHE = os.environ.get("LONGCTX_FOX_TUNING_CACHE", "0") == "1"
+"""LONGCTX_FOX_TUNING_CACHE=1: tunings kept on disk across processes (each pipeline stage is one:
+the SFT stage then tunes nothing, FoX pipeline run 4). Off until the CUDA gradient tests
+(tests/test_fox_kernel.py) have run with it on a GPU: a first call that reads a cached choice
+skips the tuning launches that issue 31's wrong d log f lived in."""
+
 # fwd and dq: BM in {64, 128} (query blocks start on a TILE); dk/dv: BM divides TILE. Registers
 # and spills of each: bench/kernel_resources.py (no GPU needed); the last dq and dk/dv options are
 # the ones without spills at D = 128 there
@@ -393,13 +399,12 @@ KEY = ["D", "GROUPS", "SIZE"]
 def _tuned(kernel, options: list[tuple[int, int, int, int]], tune: bool):
     """`kernel` autotuned over (BM, BN, warps, stages) `options`, or with the first alone. The
     tuner launches it once per option and repetition on the caller's own buffers, so every
-    kernel here must be a pure function of what it reads: none may read what it writes. Its
-    choices go to Triton's cache on disk: each pipeline stage is a new process, and the stages
-    after the first tune nothing they share with it (the SFT stage's shapes are the base's)."""
+    kernel here must be a pure function of what it reads: none may read what it writes. With
+    TUNING_CACHE its choices go to Triton's cache on disk."""
     if INTERPRET or not tune:
         options = options[:1]
     configs = [triton.Config({"BM": bm, "BN": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in options]
-    return triton.autotune(configs, key=KEY, cache_results=True)(kernel)
+    return triton.autotune(configs, key=KEY, cache_results=TUNING_CACHE)(kernel)
 
 
 def kernels(tune: bool = AUTOTUNE) -> tuple:
