@@ -281,7 +281,7 @@ def test_training_with_acp_logs_the_pruned_fraction(small_project, tmp_path, mon
 
 
 def test_mfu_counts_the_attention_acp_executed():
-    from longctx.train.loop import attention_flops, kept_fraction, packed_batch, step_flops
+    from longctx.train.loop import attention_flops, kept_fraction, micro_flops, packed_batch, step_flops
 
     cfg = fox_model().cfg
     batch = packed_batch(torch.zeros(768, dtype=torch.long), torch.tensor([0, 512, 768]), torch.device("cpu"), [0])
@@ -289,6 +289,8 @@ def test_mfu_counts_the_attention_acp_executed():
     assert attn == 6 * cfg.n_layers * cfg.n_heads * cfg.dim_head * (512**2 + 256**2)
     assert step_flops(cfg, 1000, batch) == 6 * 1000 * 768 + attn  # dense: every tile
     assert step_flops(cfg, 1000, batch, 0.25) == 6 * 1000 * 768 + 0.25 * attn
+    executed, dense = micro_flops(cfg, 1000, [batch, batch], 0.25)
+    assert dense == 2 * step_flops(cfg, 1000, batch) and executed == 2 * step_flops(cfg, 1000, batch, 0.25)
     assert kept_fraction((torch.tensor(30), torch.tensor(120))) == 0.25
     assert kept_fraction(None) == 1.0  # no pruning counted: dense
 

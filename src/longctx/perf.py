@@ -21,14 +21,13 @@ from .train.compiled import graphs_compiled
 from .train.loop import (
     MATMUL_BF16_FLOPS,
     Batch,
-    attention_flops,
     flop_params,
     kept_fraction,
+    micro_flops,
     packed_batch,
     peak_flops,
     prepare,
     queue_step,
-    step_flops,
     train_step,
 )
 from .train.models import build
@@ -104,7 +103,7 @@ def measure(run: Run, batches, steps: int, warmup: int = 2) -> dict:
     acp = run.model.acp
     if acp is not None:
         acp.stats.take()  # count the timed steps' tiles alone
-    dense, attention, tokens, queued = 0.0, 0.0, 0.0, None
+    micro_batches, tokens, queued = [], 0.0, None
     run.sync()
     t0 = time.perf_counter()
     for i in range(warmup + steps, warmup + 2 * steps):
@@ -113,14 +112,14 @@ def measure(run: Run, batches, steps: int, warmup: int = 2) -> dict:
         if queued is not None:
             losses.append(queued.result().loss)
         queued = step
-        dense += sum(step_flops(run.model.cfg, params, b) for b in micro)
-        attention += sum(attention_flops(run.model.cfg, b) for b in micro)
+        micro_batches += micro
         tokens += run.par.sum(sum(b.ids.numel() for b in micro)) / run.par.sp
     losses.append(queued.result().loss)
     run.sync()
     seconds = time.perf_counter() - t0
     kept = kept_fraction(acp.stats.take()) if acp is not None else 1.0
-    flops = run.par.sum(dense - (1.0 - kept) * attention) / run.par.sp  # executed: ACP's kept tiles
+    executed, dense = micro_flops(run.model.cfg, params, micro_batches, kept)  # executed: ACP's kept tiles
+    flops = run.par.sum(executed) / run.par.sp
     out = {"step_s": round(seconds / steps, 4), "isolated_step_s": round(sum(isolated) / steps, 4),
            "first_step_s": round(first, 2), "graphs_compiled": graphs_compiled() - graphs0,
            "tokens_per_s_per_gpu": round(tokens / seconds / run.par.world, 1), "losses": losses,

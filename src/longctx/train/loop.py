@@ -163,6 +163,12 @@ def step_flops(cfg: ModelConfig, params: int, batch: Batch, attention_kept: floa
     return 6 * params * batch.ids.numel() + attention_kept * attention_flops(cfg, batch)
 
 
+def micro_flops(cfg: ModelConfig, params: int, micro: list[Batch], attention_kept: float) -> tuple[float, float]:
+    """(FLOPs executed, dense-equivalent FLOPs) of one rank's micro-batches."""
+    dense = sum(step_flops(cfg, params, b) for b in micro)
+    return dense - (1.0 - attention_kept) * sum(attention_flops(cfg, b) for b in micro), dense
+
+
 def kept_fraction(acp_counts: tuple[torch.Tensor, torch.Tensor] | list[float] | None) -> float:
     """The fraction of causal attention tiles that ran, from ACP's (kept, total) counts (1: no
     pruning, or no counts)."""
@@ -455,14 +461,13 @@ def train(model: Transformer, data: PackedDataset | Curriculum, cfg: RunParams, 
         kept = kept_fraction(f.acp.read() if f.acp is not None else None)  # this rank's, for its own micro-batches
         if model.acp is not None:
             rec["acp_pruned_fraction"] = par.sum(1.0 - kept) / par.world
+        executed, dense = micro_flops(model.cfg, flops_params, f.micro, kept)
         if peak:
-            flops = par.sum(sum(step_flops(model.cfg, flops_params, b, kept) for b in f.micro)) / par.sp
-            rec["mfu"] = flops / seconds / peak / par.world
+            rec["mfu"] = par.sum(executed) / par.sp / seconds / peak / par.world
         if device.type == "cuda":
             rec["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         if model.acp is not None:  # what dense attention would have cost at this speed: not a utilisation
-            dense = par.sum(sum(step_flops(model.cfg, flops_params, b) for b in f.micro)) / par.sp
-            rec["dense_equivalent_tflops"] = dense / seconds / par.world / 1e12
+            rec["dense_equivalent_tflops"] = par.sum(dense) / par.sp / seconds / par.world / 1e12
         if par.main:
             with log_path.open("a") as fh:
                 fh.write(json.dumps(rec) + "\n")
