@@ -13,7 +13,8 @@ Settings (--settings):
   fox-fsdp   the FoX (Pro) variant of the same shape (no RoPE), the `fox` kernel with ACP
   fox-sp     the same with sequence parallelism
 --offload keeps parameters, gradients and optimizer state in host memory (FSDP2 CPU offload);
---offload-activations full recomputation's block inputs; --mlp-tile N runs the MLP N tokens at a time.
+--offload-activations full recomputation's block inputs (--offload-keep-last N: all but the last N
+blocks'); --mlp-tile N runs the MLP N tokens at a time.
 Data: generated packed sequences (random tokens): documents with lengths drawn log-uniformly
 between 1K tokens and the sequence length, the last one cut to fit. A step's sequences are dealt to
 the ranks as the training loop deals them: sorted by attention cost (the sum of squared document
@@ -98,11 +99,12 @@ def run_setting(name: str, args, base_par) -> dict:
     row = {"setting": name, "model": "FoX (Pro)" if fox else "Transformer", "shape": args.shape, "seq": seq,
            "world": par.world, "sp": sp, "recompute": args.recompute, "offload": args.offload,
            "acp": backend == "fox", "docs": "generated, log-uniform 1K..seq", "accum": args.accum,
-           "reorder": not args.no_reorder, "mlp_tile": args.mlp_tile, "offload_activations": args.offload_activations}
+           "reorder": not args.no_reorder, "mlp_tile": args.mlp_tile, "offload_activations": args.offload_activations,
+           "offload_keep_last": args.offload_keep_last}
     try:
         run = prepared(cfg, par, compile=not args.no_compile, recompute=args.recompute, acp=backend == "fox",
                        offload=args.offload, backend=backend, mlp_tile=args.mlp_tile,
-                       offload_activations=args.offload_activations)
+                       offload_activations=args.offload_activations, offload_keep_last=args.offload_keep_last)
         row["compiled"] = run.cfg.compile and par.device.type == "cuda"
         batches = functools.partial(step_batches, seq, cfg.vocab_size, accum=args.accum, par=par,
                                     reorder=not args.no_reorder)
@@ -203,6 +205,8 @@ def main() -> None:
                     "at a time; default: untiled)")
     ap.add_argument("--offload-activations", action="store_true", help="full recomputation's block inputs in "
                     "pinned host memory (with --recompute full)")
+    ap.add_argument("--offload-keep-last", type=int, default=0, help="with --offload-activations: the last N "
+                    "blocks keep their inputs on the GPU (host memory holds the others)")
     ap.add_argument("--no-compile", action="store_true", help="eager blocks (compiled is the default on CUDA)")
     ap.add_argument("--tag", default="", help="appended to the result file's name")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))

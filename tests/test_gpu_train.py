@@ -139,10 +139,11 @@ def test_prepared_offload_moves_the_block_inputs_and_changes_nothing():
 
     cfg = config("llama").model_copy(update={"n_layers": 6})
     results = {}
-    for offload in (False, True):
+    for offload, keep in ((False, 0), (True, 0), (True, 2)):
         torch.cuda.empty_cache()
         run = prepared_as(cfg, Parallel(device=DEV), RunParams(steps=1, lr=1e-3, activation_checkpointing="full",
-                                                               offload_activations=offload, mlp_tile=1024))
+                                                               offload_activations=offload, mlp_tile=1024,
+                                                               offload_keep_last=keep))
         b = batch(0, 8192)[0]
         run.step([b])  # warm-up: compiled, allocator settled
         torch.cuda.reset_peak_memory_stats()
@@ -151,12 +152,19 @@ def test_prepared_offload_moves_the_block_inputs_and_changes_nothing():
         held = run.model.layers[0].offload.pending() if offload else 0
         loss.backward()
         grads = [p.grad.float().clone() for p in run.model.parameters()]
-        results[offload] = (float(loss), grads, torch.cuda.max_memory_allocated() - base, held)
+        results[offload, keep] = (float(loss), grads, torch.cuda.max_memory_allocated() - base, held)
+        if offload:
+            assert run.model.layers[0].offload.pending() == 0
+            assert [blk.offload is None for blk in run.model.layers] == [i >= cfg.n_layers - keep
+                                                                    for i in range(cfg.n_layers)]
         run.opt.zero_grad(set_to_none=True)
-    (plain, grads, peak, _), (moved, grads2, peak2, held) = results[False], results[True]
-    assert held == cfg.n_layers  # every block's input on the host until the backward
-    assert run.model.layers[0].offload.pending() == 0
-    assert moved == pytest.approx(plain, rel=1e-4)  # (the warm-up steps' kernels need not be deterministic)
-    for a, b in zip(grads, grads2, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-4)
-    assert peak2 < peak - (cfg.n_layers - 2) * 8192 * cfg.d_model * 2  # most block inputs off the GPU
+    plain, grads, peak, _ = results[False, 0]
+    one_input = 8192 * cfg.d_model * 2
+    for keep in (0, 2):
+        moved, grads2, peak2, held = results[True, keep]
+        assert held == cfg.n_layers - keep  # these blocks' inputs on the host until the backward
+        assert moved == pytest.approx(plain, rel=1e-4)  # (the warm-up steps' kernels need not be deterministic)
+        for a, b in zip(grads, grads2, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-4)
+        assert peak2 < peak - (cfg.n_layers - keep - 2) * one_input  # most moved inputs off the GPU
+    assert results[True, 2][2] > results[True, 0][2] + one_input  # the kept ones on it

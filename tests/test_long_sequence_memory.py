@@ -148,5 +148,10 @@ def test_the_memory_params_are_validated():
     with pytest.raises(ConfigError, match="offload_activations: .* this run has no GPU"):
         prepare(model, RunParams(steps=1, lr=1e-3, offload_activations=True, activation_checkpointing="full"),
                 Parallel(device=torch.device("cpu")))
+    with pytest.raises(ValueError, match="offload_keep_last .* offload_activations moves, which is off"):
+        RunParams(steps=1, lr=1e-3, offload_keep_last=1)
+    with pytest.raises(ConfigError, match=f"offload_keep_last: {len(model.layers)} of the model's"):
+        prepare(model, RunParams(steps=1, lr=1e-3, offload_activations=True, activation_checkpointing="full",
+                                 offload_keep_last=len(model.layers)), Parallel(device=torch.device("cpu")))
     prepare(model, RunParams(steps=1, lr=1e-3, mlp_tile=64), Parallel(device=torch.device("cpu")))
     assert all(block.mlp.tile == 64 and block.offload is None for block in model.layers)

@@ -64,13 +64,14 @@ class Run:
 
 def prepared(cfg: ModelConfig, par: Parallel, *, compile: bool, recompute: str = "none", acp: bool = False,
              offload: bool = False, backend: str = "auto", lr: float = 1e-4, mlp_tile: int | None = None,
-             offload_activations: bool = False) -> Run:
+             offload_activations: bool = False, offload_keep_last: int = 0) -> Run:
     """A fresh model of `cfg` made on the device and prepared by the training loop's own
     `prepare` (FSDP2 mixed precision, compiled blocks, checkpointing, ACP, the tiled MLP,
     activations in host memory)."""
     return prepared_as(cfg, par, RunParams(steps=1, lr=lr, compile=compile, activation_checkpointing=recompute,
                                            acp_eps=ACP_EPS if acp else None, offload=offload, mlp_tile=mlp_tile,
-                                           offload_activations=offload_activations), backend)
+                                           offload_activations=offload_activations,
+                                           offload_keep_last=offload_keep_last), backend)
 
 
 def prepared_as(cfg: ModelConfig, par: Parallel, loop: RunParams, backend: str = "auto") -> Run:

@@ -298,6 +298,10 @@ class RunParams(Strict):
     """With full activation checkpointing: each block's saved input goes to pinned host memory
     during the forward (overlapped) and comes back for its recomputation (GPU runs). At millions
     of tokens those inputs, not the weights, fill the GPU."""
+    offload_keep_last: NonNegativeInt = 0
+    """With offload_activations: the last N blocks keep their inputs on the GPU. Their backward
+    comes first, so they would come straight back; and the host need not hold every input (at 2M
+    tokens of the 8B shape on four GPUs, all 32 are 512 GiB: a whole 4-GPU host's memory)."""
     mlp_tile: PositiveInt | None = None
     """Tokens per MLP tile: the [tokens, ffn_dim] intermediates exist for one tile at a time (the
     backward runs each tile's forward again). None: untiled."""
@@ -314,6 +318,9 @@ class RunParams(Strict):
         if self.offload_activations and self.activation_checkpointing != "full":
             raise ValueError(f"offload_activations moves the block inputs that full recomputation keeps; "
                              f"activation_checkpointing is {self.activation_checkpointing!r}: set it to full")
+        if self.offload_keep_last and not self.offload_activations:
+            raise ValueError(f"offload_keep_last ({self.offload_keep_last}) keeps some block inputs on the GPU "
+                             f"of those offload_activations moves, which is off")
         return self
 
 

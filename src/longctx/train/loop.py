@@ -402,11 +402,15 @@ def prepare(model: Transformer, cfg: RunParams, par: Parallel) -> Transformer:
     (`par.sp_group`), FSDP2 (mixed precision on GPUs, optional offload), compiled blocks on CUDA."""
     model.recompute = cfg.activation_checkpointing
     model.acp = Acp(cfg.acp_eps) if cfg.acp_eps else None
+    moved = len(model.layers) - cfg.offload_keep_last  # the first blocks' inputs go to the host
+    if moved < 1:
+        raise ConfigError(f"offload_keep_last: {cfg.offload_keep_last} of the model's {len(model.layers)} blocks "
+                          f"would leave no block input to offload")
     if cfg.offload_activations and par.device.type != "cuda":
         raise ConfigError("offload_activations: moves activations from the GPU to host memory; this run has no GPU")
     offload = HostOffload(par.device) if cfg.offload_activations else None
-    for block in model.layers:
-        block.mlp.tile, block.offload = cfg.mlp_tile, offload
+    for i, block in enumerate(model.layers):
+        block.mlp.tile, block.offload = cfg.mlp_tile, offload if i < moved else None
     sequence_parallel(model, par.sp_group)
     shard(model, par, offload=cfg.offload)
     if cfg.compile and par.device.type == "cuda":
