@@ -3,7 +3,9 @@
 # GPU, at the Llama-3-8B shape (carry .whl: pydantic). JSON (written after every setting) and one
 # log per run go to $OUT (or bench/results). Each run is cut at $LIMIT seconds (default 300) so
 # one that hangs cannot take the others' time.
-#   bash bench/gpu_scale.sh [fsdp] [unsorted] [sp] [longest] [steady] [fit]    (default: fsdp unsorted sp)
+#   bash bench/gpu_scale.sh [fsdp] [unsorted] [sp] [longest] [steady] [fit] [scaling] [millions]
+#   (default: fsdp unsorted sp; GPUS=N: the first N GPUs only, so one machine gives both ends of a
+#   scaling ratio)
 # fsdp:    64K tokens per sequence, FSDP2 over all GPUs, 2 sequences per rank per step dealt by
 #          attention cost: full recomputation; attention recomputation (profiled); FoX (Pro) + ACP
 # unsorted: attention recomputation with the sequences dealt as generated
@@ -16,12 +18,20 @@
 # fit:     two steps each (--fit; the second holds the optimizer state): the Transformer with
 #          sequence parallelism at $FIT_SEQ tokens (default 393216) and, with FSDP2 CPU offload, at
 #          $OFFLOAD_SEQ (default 589824)
+# scaling: FSDP2 at 64K, full recomputation, 2 sequences per rank, 3 isolated steps (the first compiles)
+#          then 3 queued and timed: run at two
+#          GPU counts, `scale.py --compare` prints tokens/s/GPU of one over the other
+# millions: $MODELS (default: fox-sp sp) at $LONG_SEQ tokens (default 1048576), Ulysses over all GPUs,
+#          two steps (the first compiles; the second, timed, holds the optimizer state), the MLP in 65,536-token tiles, the block
+#          inputs in host memory but for the last $KEEP blocks (default 0); ONE=1: on one GPU, with
+#          FSDP2's CPU offload of the weights and optimizer state too
 set -uo pipefail
 out=${OUT:-bench/results}
 mkdir -p "$out"
 source bench/gpu_env.sh || exit 1
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
-gpus=$(nvidia-smi -L | wc -l)
+gpus=${GPUS:-$(nvidia-smi -L | wc -l)}
+[ -n "${GPUS:-}" ] && export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-$(seq -s, 0 $((GPUS - 1)))}
 status=0
 
 scale() {  # scale TAG SETTING [scale.py args]
@@ -48,7 +58,13 @@ for part in ${*:-fsdp unsorted sp}; do
     fit) fit=${FIT_SEQ:-393216} off=${OFFLOAD_SEQ:-589824}
          scale -sp-fit-$((fit / 1024))k sp --sp-seq "$fit" --recompute full --fit
          scale -sp-fit-offload-$((off / 1024))k sp --sp-seq "$off" --recompute full --offload --fit ;;
-    *) echo "unknown part $part (fsdp, unsorted, sp, longest, steady, fit)"; status=1 ;;
+    scaling) scale -64k-full-steady fsdp --accum 2 --recompute full --steps 3 --warmup 0 ;;
+    millions) long=${LONG_SEQ:-1048576}
+              for m in ${MODELS:-fox-sp sp}; do
+                scale -${m%sp}sp-$((long / 1024))k-offload "$m" --sp-seq "$long" --recompute full --mlp-tile 65536 \
+                  --offload-activations --offload-keep-last "${KEEP:-0}" ${ONE:+--offload} --warmup 0
+              done ;;
+    *) echo "unknown part $part (fsdp, unsorted, sp, longest, steady, fit, scaling, millions)"; status=1 ;;
   esac
 done
 exit $status
