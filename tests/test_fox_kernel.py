@@ -231,6 +231,20 @@ def test_bad_heads_named():
         fk.fox_attention(q, k, k, torch.tensor([0, 64], dtype=torch.int32, device=DEV))
 
 
+def test_the_longest_call_the_32bit_offsets_allow():
+    """2M tokens x 8 heads x 128 dims (the 8B shape at 2,097,152 tokens over SP 4) puts its last
+    element at offset 2**31 - 1, which fits: the guard refused it; one token more does not fit."""
+    for n, fits in ((2**21, True), (2**21 + 1, False)):
+        q = torch.empty(n, 8, 128, device="meta", dtype=torch.bfloat16)
+        k, log_f = q[:, :2], torch.empty(n, 8, device="meta")
+        cu = torch.tensor([0, n], dtype=torch.int32, device="meta")
+        if fits:
+            assert fk.attend(q, k, k, cu, log_f)[0].shape == q.shape
+        else:
+            with pytest.raises(ValueError, match="2097153 tokens x 8 heads x 128 dims overflow"):
+                fk.attend(q, k, k, cu, log_f)
+
+
 # --- the kernel as the model's FoX backend ---------------------------------------------------
 
 def fox_model(vocab: int = 97, **fox) -> Transformer:

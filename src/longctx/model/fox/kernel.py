@@ -614,7 +614,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.
         raise ValueError(f"fox attention: {h} query heads are not a multiple of {k.shape[1]} KV heads")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"fox attention takes float16/bfloat16/float32, got {q.dtype}")
-    if n * h * _padded_dim(d) >= 2**31:
+    if n * h * _padded_dim(d) > 2**31:  # (the last element's offset, n*h*d - 1, must fit: 2M tokens x 8 heads does)
         raise ValueError(f"fox attention: {n} tokens x {h} heads x {d} dims overflow the kernels' 32-bit offsets; "
                          "split the heads over ranks (sequence_parallel) or the tokens over sequences")
     sm_scale = d**-0.5 if scale is None else scale
