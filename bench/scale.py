@@ -113,7 +113,8 @@ def run_setting(name: str, args, base_par) -> dict:
             row.update(fits=True, first_step_s=round(seconds, 2), second_step_s=round(second, 2), losses=[loss, loss2],
                        **peak_memory(par))
         else:
-            row.update(measure(run, batches, args.steps, args.warmup))
+            row.update(measure(run, batches, args.steps, args.warmup,
+                               log=functools.partial(print, flush=True) if par.main else None))
         if args.profile and par.device.type == "cuda":
             row["profile_by_rank"] = profiled(run, batches(10_000), par)
     except torch.OutOfMemoryError as e:

@@ -22,6 +22,8 @@ def run(cmd: list[str], out) -> dict:
     done = subprocess.run(cmd + ["--out", str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert "tokens/s/GPU" in done.stdout  # the table
+    if "--fit" not in cmd:  # the isolated steps as they end (the warm-up and 1 of --steps 1)
+        assert "step 2 of 3" in done.stdout and "step 3 of " not in done.stdout
     (path,) = out.glob("scale-cpu-*.json")
     return json.loads(path.read_text())
 

@@ -83,12 +83,13 @@ def prepared_as(cfg: ModelConfig, par: Parallel, loop: RunParams, backend: str =
     return Run(model, adamw(model, loop.lr, loop.betas, loop.weight_decay), par, loop)
 
 
-def measure(run: Run, batches, steps: int, warmup: int = 2) -> dict:
+def measure(run: Run, batches, steps: int, warmup: int = 2, log=None) -> dict:
     """Mean step time, tokens/s per GPU and model FLOP utilisation over `steps` steps queued as
     the training loop queues them (each one's loss read after the next is queued), after `warmup`
     and `steps` isolated steps (the device drained before and after each: `isolated_step_s`; the
     first step's time, compilation included, reported apart), and every step's loss.
-    `batches(i)` gives this rank's micro-batches of step i."""
+    `batches(i)` gives this rank's micro-batches of step i; `log(line)`, if given, hears of each
+    isolated step as it ends (at a million tokens a step takes minutes)."""
     from torch._dynamo.utils import counters
 
     graphs0, breaks0 = graphs_compiled(), dict(counters["graph_break"])
@@ -97,6 +98,10 @@ def measure(run: Run, batches, steps: int, warmup: int = 2) -> dict:
     for i in range(warmup + steps):
         sec, loss = run.step(batches(i))
         losses.append(loss)
+        if log is not None:
+            gpu = run.par.device.type == "cuda"  # (this rank's peak alone: no collective for a log line)
+            log(f"step {i + 1} of {warmup + 2 * steps}: {sec:.1f} s, loss {loss:.4f}"
+                + (f", peak {torch.cuda.max_memory_allocated(run.par.device) / 2**30:.1f} GiB" if gpu else ""))
         if i == 0:
             first = sec
         if i >= warmup:

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The long-sequence runs of one multi-GPU machine, each in one device call of at most 10 minutes,
+# its GPUs shared out so none idles (carry .whl). Sequential where a figure is a comparison; side by
+# side on disjoint GPUs where it is not (the CUDA tests and the product's runs use GPUs the timed
+# runs do not use). Steps of a million tokens take minutes: those rows run two steps (--warmup 0
+# --steps 1: the first, compilation included, then one queued step that holds the optimizer state
+# and is timed), and every step is logged as it ends.
+# On 2 x H200 (nvidia-h200-x2, 256 GiB of host memory: 8 block inputs stay on each GPU):
+#   bash bench/gpu_calls.sh fox-1m     GPUs 0-1: FoX (Pro)+ACP at 1,048,576 tokens, Ulysses SP 2;
+#                                      then GPU 0: FoX at 524,288 on one GPU, FSDP2's CPU offload
+#                                      too (issue 34); beside it GPU 1: the CUDA tests, then again
+#                                      with the FoX tuning cache on
+#   bash bench/gpu_calls.sh products   the product's gpu-64k runs side by side: GPU 0 FoX (Pro)+ACP,
+#                                      GPU 1 Llama (issue 32)
+#   bash bench/gpu_calls.sh llama-1m   GPUs 0-1: the Transformer at 1,048,576 tokens, SP 2 (issue 34)
+# On 4 x H200 (nvidia-h200-x4, issue 36):
+#   bash bench/gpu_calls.sh x4         FoX (Pro)+ACP at 2,097,152 tokens with SP 4, block inputs on
+#                                      the host but the last 8; then the FSDP2 64K scaling rows
+#   bash bench/gpu_calls.sh x4-2       the same scaling rows on 2 of the GPUs (the ratio's other end)
+# What comes back (8 files at most): scale.tar.gz (scale.py's JSON and logs), tests*.log,
+# pipeline-*.tar.gz (bench/gpu_pipeline.sh's files), device.log. LIMIT: seconds for the whole script.
+set -uo pipefail
+call=${1:?give fox-1m, products, llama-1m, x4 or x4-2}
+limit=${LIMIT:-585}
+begin=$(date +%s)
+out=$(realpath -m "${OUT:-bench/results/x4}")
+mkdir -p "$out/scale"
+source bench/gpu_env.sh || exit 1
+left() { echo $(( limit - ($(date +%s) - begin) - ${1:-0} )); }
+{ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; free -g; nproc; } > "$out/device.log" 2>&1
+scale() { OUT=$out/scale bash bench/gpu_scale.sh "$@" >> "$out/device.log" 2>&1; }
+gpu_tests() {  # gpu_tests GPU LOG SECONDS: the CUDA tests of the training loop and the FoX kernel
+  CUDA_VISIBLE_DEVICES=$1 timeout -k 5 "$3" python3 -m pytest -q -rf -p no:cacheprovider \
+    tests/test_gpu_train.py tests/test_fox_kernel.py > "$out/$2" 2>&1
+  echo "exit $?" >> "$out/$2"
+}
+product() {  # product VARIANT GPU SECONDS: bench/gpu_pipeline.sh on one GPU, its files in one archive
+  (export CUDA_VISIBLE_DEVICES=$2 LONGCTX_FOX_AUTOTUNE=0 PREFECT_HOME=/tmp/prefect-$1  # (two side by side)
+   LIMIT=$3 OUT=$out/pipeline-$1 bash bench/gpu_pipeline.sh "$1" > "$out/pipeline-$1.out" 2>&1
+   mv "$out/pipeline-$1.out" "$out/pipeline-$1/"; tar -C "$out" -czf "$out/pipeline-$1.tar.gz" "pipeline-$1" \
+     && rm -rf "${out:?}/pipeline-$1")
+}
+status=0
+case $call in
+  fox-1m) GPUS=2 LIMIT=300 LONG_SEQ=1048576 KEEP=8 MODELS=fox-sp scale millions || status=1
+          { gpu_tests 1 tests.log 270; LONGCTX_FOX_TUNING_CACHE=1 gpu_tests 1 tests-tuning-cache.log "$(left 20)"; } &
+          GPUS=1 ONE=1 LIMIT=$(left 30) LONG_SEQ=524288 KEEP=16 MODELS=fox-sp scale millions || status=1
+          wait ;;
+  products) product fox 0 "$(left 20)" &
+            product llama 1 "$(left 20)" &
+            wait ;;
+  llama-1m) GPUS=2 LIMIT=$(left 15) LONG_SEQ=1048576 KEEP=8 MODELS=sp scale millions || status=1 ;;
+  x4) LIMIT=330 LONG_SEQ=2097152 KEEP=8 MODELS=fox-sp scale millions || status=1
+      LIMIT=$(left 10) scale scaling || status=1 ;;
+  x4-2) GPUS=2 LIMIT=$(left 10) scale scaling || status=1 ;;
+  *) echo "gpu_calls: give fox-1m, products, llama-1m, x4 or x4-2" >&2; exit 2 ;;
+esac
+tar -C "$out" -czf "$out/scale.tar.gz" scale && rm -rf "$out/scale"
+tail -40 "$out/device.log"
+exit $status
