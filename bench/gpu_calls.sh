@@ -35,7 +35,9 @@ gpu_tests() {  # gpu_tests GPU LOG SECONDS: the CUDA tests of the training loop 
   echo "exit $?" >> "$out/$2"
 }
 product() {  # product VARIANT GPU SECONDS: bench/gpu_pipeline.sh on one GPU, its files in one archive
-  (export CUDA_VISIBLE_DEVICES=$2 LONGCTX_FOX_AUTOTUNE=0 PREFECT_HOME=/tmp/prefect-$1  # (two side by side)
+  (export LONGCTX_GPUS=$2 LONGCTX_FOX_AUTOTUNE=0 PREFECT_HOME=/tmp/prefect-$1  # (the flow's GPU slot: its stages
+   # get CUDA_VISIBLE_DEVICES=$2 and a lock of that GPU; the first call set CUDA_VISIBLE_DEVICES here instead, and
+   # both runs' stages took GPU 0's slot in turn)
    LIMIT=$3 OUT=$out/pipeline-$1 bash bench/gpu_pipeline.sh "$1" > "$out/pipeline-$1.out" 2>&1
    mv "$out/pipeline-$1.out" "$out/pipeline-$1/"; tar -C "$out" -czf "$out/pipeline-$1.tar.gz" "pipeline-$1" \
      && rm -rf "${out:?}/pipeline-$1")

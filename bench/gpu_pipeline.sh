@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The product on one GPU, as a user runs it (issue 32): a fresh workspace holding the project's files
 # and nothing it made (no data, metrics, checkpoints or MLflow store), the gpu-64k profile, then the
-# main command `LONGCTX_GPUS=0 python3 -m pipelines` (Prefect -> dvc repro -> stages -> MLflow).
+# main command `LONGCTX_GPUS=0 python3 -m pipelines` (Prefect -> dvc repro -> stages -> MLflow; another GPU:
+# LONGCTX_GPUS=1, not CUDA_VISIBLE_DEVICES, which the flow's GPU slot sets for each stage).
 # Then, while time is left: `dvc status` (nothing to do) and one eval param changed, the main command
 # again (eval alone reruns); then bench/train_throughput.py --workspace (each training stage's steps timed
 # by the benchmark's harness, against the tokens/s the stage logged). What the run made is copied to
@@ -35,7 +36,7 @@ collect() {  # (the device returns a limited number of files: the folders travel
   du -sh "$out"/mlflow.db "$out"/outputs.tar.gz 2>/dev/null
 }
 run_main() {  # the main command in what is left of the time, its output appended to $1 ($2 names the run); $status
-  LONGCTX_GPUS=0 timeout -k 10 "$(left)" python3 -m pipelines 2>&1 | tee -a "$1"
+  LONGCTX_GPUS=${LONGCTX_GPUS:-0} timeout -k 10 "$(left)" python3 -m pipelines 2>&1 | tee -a "$1"
   status=${PIPESTATUS[0]}
   echo "main command$2: exit $status after $(( $(date +%s) - begin )) s" | tee -a "$1"
   collect
