@@ -100,6 +100,19 @@ def gpu_ids() -> list[str]:
     return [g for g in os.environ.get("LONGCTX_GPUS", "").split(",") if g]
 
 
+def physical_gpu(gpu: str) -> str:
+    """The device a stage gets for LONGCTX_GPUS entry `gpu`: under CUDA_VISIBLE_DEVICES an index
+    counts among the visible devices, as CUDA's own ordinals do (the slot sets the stage's
+    CUDA_VISIBLE_DEVICES, which would otherwise point past the user's choice)."""
+    visible = [v for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v]
+    if not visible or not gpu.isdigit():
+        return gpu
+    if int(gpu) >= len(visible):
+        raise LongctxError(f"LONGCTX_GPUS names GPU {gpu}, but CUDA_VISIBLE_DEVICES={','.join(visible)} shows "
+                           f"{len(visible)}: give indices among the visible GPUs")
+    return visible[int(gpu)]
+
+
 def ensure_gpu_limit() -> str | None:
     """The `longctx-gpu` global concurrency limit, one slot per GPU of LONGCTX_GPUS, created when
     the server has none (an ephemeral server never does), so that GPU stages of concurrent flows
@@ -107,6 +120,8 @@ def ensure_gpu_limit() -> str | None:
     gpus = gpu_ids()
     if not gpus:
         return None
+    for g in gpus:  # (before any stage: a GPU CUDA_VISIBLE_DEVICES hides is an error now, not at the first GPU stage)
+        physical_gpu(g)
     with get_client(sync_client=True) as client:
         try:
             have = client.read_global_concurrency_limit_by_name(GPU_LIMIT)
@@ -126,6 +141,7 @@ def gpu_slot(stage: str):
     if stage not in GPU_STAGES or not gpus:
         yield {}
         return
+    gpus = [physical_gpu(g) for g in gpus]
     with concurrency(GPU_LIMIT, occupy=1, strict=False):
         lock_dir = Path(os.environ.get("LONGCTX_GPU_LOCKS", "/tmp/longctx-gpu-locks"))
         lock_dir.mkdir(parents=True, exist_ok=True)

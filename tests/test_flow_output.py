@@ -5,6 +5,7 @@ slot."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import subprocess
@@ -12,6 +13,7 @@ import subprocess
 import pytest
 
 from conftest import GIT_ENV
+from longctx.errors import LongctxError
 from pipelines import flows
 
 # what `dvc repro pack` and a training stage print (DVC 3.67's hint; tqdm's bars through a pipe)
@@ -82,6 +84,27 @@ def test_no_gpu_slot_is_waited_for_without_gpus(monkeypatch):
     monkeypatch.setenv("LONGCTX_GPUS", "0")
     with pytest.raises(AssertionError, match="concurrency limit"), flows.gpu_slot("base"):
         pass
+
+
+def test_a_gpu_slot_counts_among_the_visible_gpus(monkeypatch, tmp_path):
+    """LONGCTX_GPUS=1 under CUDA_VISIBLE_DEVICES=2,3 is the fourth GPU (its lock too), as CUDA counts;
+    without CUDA_VISIBLE_DEVICES it is GPU 1; past the visible ones it is an error naming both."""
+    monkeypatch.setattr(flows, "concurrency", lambda *a, **k: contextlib.nullcontext())
+    monkeypatch.setenv("LONGCTX_GPU_LOCKS", str(tmp_path))
+    monkeypatch.setenv("LONGCTX_GPUS", "1")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    with flows.gpu_slot("base") as extra:
+        assert extra == {"CUDA_VISIBLE_DEVICES": "3"}
+    assert [p.name for p in tmp_path.iterdir()] == ["gpu3.lock"]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    with flows.gpu_slot("sft") as extra:
+        assert extra == {"CUDA_VISIBLE_DEVICES": "1"}
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5")
+    with pytest.raises(LongctxError, match="LONGCTX_GPUS names GPU 1, but CUDA_VISIBLE_DEVICES=5 shows 1"):
+        with flows.gpu_slot("base"):
+            pass
+    with flows.gpu_slot("pack") as extra:  # a CPU stage takes no slot
+        assert extra == {}
 
 
 def test_the_final_table_shows_every_task_at_every_length_and_names_the_best(tmp_path):
