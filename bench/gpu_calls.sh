@@ -6,10 +6,12 @@
 # --steps 1: the first, compilation included, then one queued step that holds the optimizer state
 # and is timed), and every step is logged as it ends.
 # On 2 x H200 (nvidia-h200-x2, 256 GiB of host memory: 8 block inputs stay on each GPU):
-#   bash bench/gpu_calls.sh fox-1m     GPUs 0-1: FoX (Pro)+ACP at 1,048,576 tokens, Ulysses SP 2;
-#                                      then GPU 0: FoX at 524,288 on one GPU, FSDP2's CPU offload
-#                                      too (issue 34); beside it GPU 1: the CUDA tests, then again
-#                                      with the FoX tuning cache on
+#   bash bench/gpu_calls.sh fox-one    GPU 0: the product's FoX (Pro)+ACP run of the gpu-64k profile
+#                                      (issue 32); GPU 1: FoX at 524,288 tokens on one GPU, FSDP2's
+#                                      CPU offload too (issue 34), then the CUDA tests
+#   bash bench/gpu_calls.sh fox-1m     GPUs 0-1: FoX (Pro)+ACP at 1,048,576 tokens, Ulysses SP 2
+#                                      (issue 34); then GPU 0: the CUDA tests with the FoX tuning
+#                                      cache on
 #   bash bench/gpu_calls.sh products   the product's gpu-64k runs side by side: GPU 0 FoX (Pro)+ACP,
 #                                      GPU 1 Llama (issue 32)
 #   bash bench/gpu_calls.sh llama-1m   GPUs 0-1: the Transformer at 1,048,576 tokens, SP 2 (issue 34)
@@ -20,7 +22,7 @@
 # What comes back (8 files at most): scale.tar.gz (scale.py's JSON and logs), tests*.log,
 # pipeline-*.tar.gz (bench/gpu_pipeline.sh's files), device.log. LIMIT: seconds for the whole script.
 set -uo pipefail
-call=${1:?give fox-1m, products, llama-1m, x4 or x4-2}
+call=${1:?give fox-one, fox-1m, products, llama-1m, x4 or x4-2}
 limit=${LIMIT:-585}
 begin=$(date +%s)
 out=$(realpath -m "${OUT:-bench/results/x4}")
@@ -44,10 +46,13 @@ product() {  # product VARIANT GPU SECONDS: bench/gpu_pipeline.sh on one GPU, it
 }
 status=0
 case $call in
-  fox-1m) GPUS=2 LIMIT=300 LONG_SEQ=1048576 KEEP=8 MODELS=fox-sp scale millions || status=1
-          { gpu_tests 1 tests.log 270; LONGCTX_FOX_TUNING_CACHE=1 gpu_tests 1 tests-tuning-cache.log "$(left 20)"; } &
-          GPUS=1 ONE=1 LIMIT=$(left 30) LONG_SEQ=524288 KEEP=16 MODELS=fox-sp scale millions || status=1
-          wait ;;
+  fox-one) product fox 0 "$(left 20)" &
+           CUDA_VISIBLE_DEVICES=1 GPUS=1 ONE=1 LIMIT=330 LONG_SEQ=524288 KEEP=16 MODELS=fox-sp scale millions \
+             || status=1
+           gpu_tests 1 tests.log "$(left 25)"
+           wait ;;
+  fox-1m) GPUS=2 LIMIT=$(left 60) LONG_SEQ=1048576 KEEP=8 MODELS=fox-sp scale millions || status=1
+          [ "$(left)" -gt 60 ] && LONGCTX_FOX_TUNING_CACHE=1 gpu_tests 0 tests-tuning-cache.log "$(left 10)" ;;
   products) product fox 0 "$(left 20)" &
             product llama 1 "$(left 20)" &
             wait ;;
@@ -55,7 +60,7 @@ case $call in
   x4) LIMIT=330 LONG_SEQ=2097152 KEEP=8 MODELS=fox-sp scale millions || status=1
       LIMIT=$(left 10) scale scaling || status=1 ;;
   x4-2) GPUS=2 LIMIT=$(left 10) scale scaling || status=1 ;;
-  *) echo "gpu_calls: give fox-1m, products, llama-1m, x4 or x4-2" >&2; exit 2 ;;
+  *) echo "gpu_calls: give fox-one, fox-1m, products, llama-1m, x4 or x4-2" >&2; exit 2 ;;
 esac
 tar -C "$out" -czf "$out/scale.tar.gz" scale && rm -rf "$out/scale"
 tail -40 "$out/device.log"
