@@ -413,6 +413,26 @@ def test_dtypes_dims_groups_acp(dtype, d, groups, acp):
         assert 0 < used.stats.pruned_fraction() < 1
 
 
+def launch_options(cuda: bool) -> list[tuple[str, tuple[int, int, int, int]]]:
+    """Every (kernel, launch option) the tuner may pick; the interpreter ignores warps and stages,
+    so there one per tile shape (BM, BN) is enough."""
+    every = [(name, o) for name, options in (("fwd", fk.FWD_OPTIONS), ("dq", fk.DQ_OPTIONS), ("dkdv", fk.DKDV_OPTIONS))
+             for o in options]
+    return every if cuda else list({(name, o[:2]): (name, o) for name, o in every}.values())
+
+
+@pytest.mark.parametrize("kernel,option", launch_options(CUDA), ids=str)
+def test_every_launch_option_matches_the_reference(kernel, option, monkeypatch):
+    """Each launch option the tuner may pick, forced, on the hardest inputs (fast and slow heads of
+    a trained model, length-1 documents among long ones, GQA, ACP): the tuner picks by speed on the
+    caller's shapes, so a wrong option would fail only where it happens to be fastest (one H200
+    run of the CUDA tests failed a reference test after other FoX tests had tuned the kernels,
+    and passed it alone)."""
+    source = {"fwd": fk._fwd_kernel, "dq": fk._dq_kernel, "dkdv": fk._dkdv_kernel}[kernel]
+    monkeypatch.setattr(fk, f"_{kernel}", fk._tuned(source, [option], tune=False))
+    matrix_case("trained", "singles", DTYPE, 64, 4, True, seed=7)
+
+
 class Twice:
     """A kernel launched twice on the same arguments, as the autotuner launches it for every
     option and repetition before the call that counts."""

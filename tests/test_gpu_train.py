@@ -14,7 +14,7 @@ import torch
 from longctx.model.config import FoxConfig, ModelConfig, RopeConfig
 from longctx.perf import prepared
 from longctx.train import checkpoint
-from longctx.train.loop import Batch, packed_batch
+from longctx.train.loop import Batch, autocast, packed_batch
 from longctx.train.parallel import Parallel
 
 pytestmark = pytest.mark.gpu
@@ -148,9 +148,10 @@ def test_prepared_offload_moves_the_block_inputs_and_changes_nothing():
         run.step([b])  # warm-up: compiled, allocator settled
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        loss = run.model(b.ids, b.cu_seqlens.tolist(), labels=b.labels)
-        held = run.model.layers[0].offload.pending() if offload else 0
-        loss.backward()
+        with autocast(run.model, DEV):  # (as the loop runs it: the H200 run called the model in fp32 here)
+            loss = run.model(b.ids, b.cu_seqlens.tolist(), labels=b.labels)
+            held = run.model.layers[0].offload.pending() if offload else 0
+            loss.backward()
         grads = [p.grad.float().clone() for p in run.model.parameters()]
         results[offload, keep] = (float(loss), grads, torch.cuda.max_memory_allocated() - base, held)
         if offload:

@@ -383,13 +383,17 @@ the SFT stage then tunes nothing, FoX pipeline run 4). Off until the CUDA gradie
 (tests/test_fox_kernel.py) have run with it on a GPU: a first call that reads a cached choice
 skips the tuning launches that issue 31's wrong d log f lived in."""
 
-# fwd and dq: BM in {64, 128} (query blocks start on a TILE); dk/dv: BM divides TILE. Registers
-# and spills of each: bench/kernel_resources.py (no GPU needed); the last dq and dk/dv options are
-# the ones without spills at D = 128 there
+# fwd and dq: BM in {64, 128} (query blocks start on a TILE) and a multiple of BN (the unmasked key
+# range ends at the query block's start, q0, in whole BN steps: with BN = 128 over BM = 64 its last
+# tile ran past q0, into keys after the queries, unmasked: dq read the future, or overflowed, in
+# the one option that had it); dk/dv: BM divides TILE. Registers and spills of each:
+# bench/kernel_resources.py (no GPU needed); the last dq and dk/dv options are the ones without
+# spills at D = 128 there
 FWD_OPTIONS = [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 128, 8, 4), (128, 64, 8, 4),
                (128, 128, 8, 2), (64, 64, 4, 3)]
 DQ_OPTIONS = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3),
-              (64, 128, 8, 3), (128, 64, 8, 1), (64, 64, 4, 2), (64, 64, 8, 3)]
+              (128, 64, 8, 1), (64, 64, 4, 2), (64, 64, 8, 3)]
+assert all(bm % bn == 0 for bm, bn, *_ in FWD_OPTIONS + DQ_OPTIONS), "query blocks must hold whole key tiles"
 DKDV_OPTIONS = [(64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 4, 3), (32, 128, 8, 3), (64, 64, 4, 3),
                 (32, 64, 4, 3), (64, 128, 8, 1), (16, 128, 4, 3), (32, 128, 4, 2), (32, 64, 8, 3)]
 # tuned per head dim, GQA group and power-of-two length class (not per length: prompts vary)
