@@ -245,6 +245,23 @@ def test_the_longest_call_the_32bit_offsets_allow():
                 fk.attend(q, k, k, cu, log_f)
 
 
+@pytest.mark.skipif(not CUDA, reason="2M tokens: the interpreter would take hours")
+def test_the_last_document_of_two_million_tokens():
+    """At 2,097,152 tokens x 8 heads x 128 dims (the 8B shape over SP 4) the last element's offset
+    is 2**31 - 1: the kernels' 32-bit offsets must still reach it. The last document of such a
+    sequence must get what it gets alone (document masking makes attention blind to the rest)."""
+    n, h, hk, d, doc = 2**21, 8, 2, 128, 4096
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    q, k, v = (torch.randn(n, x, d, device=DEV, generator=gen, dtype=torch.bfloat16) for x in (h, hk, hk))
+    log_f = F.logsigmoid(torch.randn(n, h, device=DEV, generator=gen) * 2 + 4)
+    do = torch.randn(n, h, d, device=DEV, generator=gen, dtype=torch.bfloat16)
+    out, grads = run(q, k, v, log_f, torch.arange(0, n + 1, doc, dtype=torch.int32, device=DEV), do)
+    last = slice(n - doc, n)
+    alone = run(*(t[last] for t in (q, k, v, log_f)), torch.tensor([0, doc], dtype=torch.int32, device=DEV), do[last])
+    judge(tuple(t[last] for t in (out, *grads)), tuple(t.double() for t in (alone[0], *alone[1])), 1e-2,
+          "the last of 512 documents against itself alone")
+
+
 # --- the kernel as the model's FoX backend ---------------------------------------------------
 
 def fox_model(vocab: int = 97, **fox) -> Transformer:
