@@ -9,6 +9,11 @@
 #   bash bench/gpu_calls.sh fox-one    GPU 0: the product's FoX (Pro)+ACP run of the gpu-64k profile
 #                                      (issue 32); GPU 1: FoX at 524,288 tokens on one GPU, FSDP2's
 #                                      CPU offload too (issue 34), then the CUDA tests
+#   bash bench/gpu_calls.sh one-512k   GPU 0: the same 524,288-token run alone, all but the last 6 block
+#                                      inputs on the host (with 16 kept it ran out of memory: a block's
+#                                      backward over 512K tokens needs ~70 GiB; the host holds the
+#                                      offloaded optimizer state, 119 GiB, and 104 GiB of inputs);
+#                                      GPU 1: the CUDA tests
 #   bash bench/gpu_calls.sh fox-1m     GPUs 0-1: FoX (Pro)+ACP at 1,048,576 tokens, Ulysses SP 2
 #                                      (issue 34); then GPU 0: the CUDA tests with the FoX tuning
 #                                      cache on
@@ -22,7 +27,7 @@
 # What comes back (8 files at most): scale.tar.gz (scale.py's JSON and logs), tests*.log,
 # pipeline-*.tar.gz (bench/gpu_pipeline.sh's files), device.log. LIMIT: seconds for the whole script.
 set -uo pipefail
-call=${1:?give fox-one, fox-1m, products, llama-1m, x4 or x4-2}
+call=${1:?give fox-one, one-512k, fox-1m, products, llama-1m, x4 or x4-2}
 limit=${LIMIT:-585}
 begin=$(date +%s)
 out=$(realpath -m "${OUT:-bench/results/x4}")
@@ -51,6 +56,10 @@ case $call in
              || status=1
            gpu_tests 1 tests.log "$(left 25)"
            wait ;;
+  one-512k) gpu_tests 1 tests.log "$(left 20)" &
+            CUDA_VISIBLE_DEVICES=0 GPUS=1 ONE=1 LIMIT=$(left 30) LONG_SEQ=524288 KEEP=6 MODELS=fox-sp scale millions \
+              || status=1
+            wait ;;
   fox-1m) GPUS=2 LIMIT=$(left 60) LONG_SEQ=1048576 KEEP=8 MODELS=fox-sp scale millions || status=1
           [ "$(left)" -gt 60 ] && LONGCTX_FOX_TUNING_CACHE=1 gpu_tests 0 tests-tuning-cache.log "$(left 10)" ;;
   products) product fox 0 "$(left 20)" &
@@ -60,7 +69,7 @@ case $call in
   x4) LIMIT=330 LONG_SEQ=2097152 KEEP=8 MODELS=fox-sp scale millions || status=1
       LIMIT=$(left 10) scale scaling || status=1 ;;
   x4-2) GPUS=2 LIMIT=$(left 10) scale scaling || status=1 ;;
-  *) echo "gpu_calls: give fox-one, fox-1m, products, llama-1m, x4 or x4-2" >&2; exit 2 ;;
+  *) echo "gpu_calls: give fox-one, one-512k, fox-1m, products, llama-1m, x4 or x4-2" >&2; exit 2 ;;
 esac
 tar -C "$out" -czf "$out/scale.tar.gz" scale && rm -rf "$out/scale"
 tail -40 "$out/device.log"
