@@ -18,13 +18,13 @@
 # fit:     two steps each (--fit; the second holds the optimizer state): the Transformer with
 #          sequence parallelism at $FIT_SEQ tokens (default 393216) and, with FSDP2 CPU offload, at
 #          $OFFLOAD_SEQ (default 589824)
-# scaling: FSDP2 at 64K, full recomputation, 2 sequences per rank, 3 isolated steps (the first compiles)
-#          then 3 queued and timed: run at two
-#          GPU counts, `scale.py --compare` prints tokens/s/GPU of one over the other
+# scaling: FSDP2 at 64K, full recomputation, 2 sequences per rank, 3 isolated steps (the first
+#          compiles) then 3 queued and timed: run at two GPU counts, `scale.py --compare` prints
+#          tokens/s/GPU of one over the other
 # millions: $MODELS (default: fox-sp sp) at $LONG_SEQ tokens (default 1048576), Ulysses over all GPUs,
-#          two steps (the first compiles; the second, timed, holds the optimizer state), the MLP in 65,536-token tiles, the block
-#          inputs in host memory but for the last $KEEP blocks (default 0); ONE=1: on one GPU, with
-#          FSDP2's CPU offload of the weights and optimizer state too
+#          two steps (the first compiles; the second, timed, holds the optimizer state), the MLP in
+#          65,536-token tiles, the block inputs in host memory but for the last $KEEP blocks (default
+#          0); ONE=1: on one GPU, with FSDP2's CPU offload of the weights and optimizer state too
 set -uo pipefail
 out=${OUT:-bench/results}
 mkdir -p "$out"

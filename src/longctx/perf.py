@@ -63,15 +63,12 @@ class Run:
 
 
 def prepared(cfg: ModelConfig, par: Parallel, *, compile: bool, recompute: str = "none", acp: bool = False,
-             offload: bool = False, backend: str = "auto", lr: float = 1e-4, mlp_tile: int | None = None,
-             offload_activations: bool = False, offload_keep_last: int = 0) -> Run:
+             backend: str = "auto", lr: float = 1e-4, **loop) -> Run:
     """A fresh model of `cfg` made on the device and prepared by the training loop's own
-    `prepare` (FSDP2 mixed precision, compiled blocks, checkpointing, ACP, the tiled MLP,
-    activations in host memory)."""
+    `prepare` (FSDP2 mixed precision, compiled blocks, checkpointing, ACP, and whatever other
+    RunParams `loop` names: offload, mlp_tile, offload_activations, offload_keep_last)."""
     return prepared_as(cfg, par, RunParams(steps=1, lr=lr, compile=compile, activation_checkpointing=recompute,
-                                           acp_eps=ACP_EPS if acp else None, offload=offload, mlp_tile=mlp_tile,
-                                           offload_activations=offload_activations,
-                                           offload_keep_last=offload_keep_last), backend)
+                                           acp_eps=ACP_EPS if acp else None, **loop), backend)
 
 
 def prepared_as(cfg: ModelConfig, par: Parallel, loop: RunParams, backend: str = "auto") -> Run:
