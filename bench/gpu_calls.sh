@@ -13,12 +13,15 @@
 #                                      inputs on the host (with 16 kept it ran out of memory: a block's
 #                                      backward over 512K tokens needs ~70 GiB; the host holds the
 #                                      offloaded optimizer state, 119 GiB, and 104 GiB of inputs);
-#                                      GPU 1: the CUDA tests
+#                                      GPU 1: the CUDA tests, then again with the FoX tuning cache on
 #   bash bench/gpu_calls.sh fox-1m     GPUs 0-1: FoX (Pro)+ACP at 1,048,576 tokens, Ulysses SP 2
 #                                      (issue 34); then GPU 0: the CUDA tests with the FoX tuning
 #                                      cache on
 #   bash bench/gpu_calls.sh products   the product's gpu-64k runs side by side: GPU 0 FoX (Pro)+ACP,
 #                                      GPU 1 Llama (issue 32)
+#   bash bench/gpu_calls.sh llamas     the product's gpu-64k Llama run twice side by side: GPU 0 as the
+#                                      profile says (ProLong's theta x16 per stage), GPU 1 with
+#                                      `train.pretrain.factors: search` (LongRoPE2's factors in both stages)
 #   bash bench/gpu_calls.sh llama-1m   GPUs 0-1: the Transformer at 1,048,576 tokens, SP 2 (issue 34)
 # On 4 x H200 (nvidia-h200-x4, issue 36):
 #   bash bench/gpu_calls.sh x4         FoX (Pro)+ACP at 2,097,152 tokens with SP 4, block inputs on
@@ -27,7 +30,7 @@
 # What comes back (8 files at most): scale.tar.gz (scale.py's JSON and logs), tests*.log,
 # pipeline-*.tar.gz (bench/gpu_pipeline.sh's files), device.log. LIMIT: seconds for the whole script.
 set -uo pipefail
-call=${1:?give fox-one, one-512k, fox-1m, products, llama-1m, x4 or x4-2}
+call=${1:?give fox-one, one-512k, fox-1m, products, llamas, llama-1m, x4 or x4-2}
 limit=${LIMIT:-585}
 begin=$(date +%s)
 out=$(realpath -m "${OUT:-bench/results/x4}")
@@ -36,18 +39,20 @@ source bench/gpu_env.sh || exit 1
 left() { echo $(( limit - ($(date +%s) - begin) - ${1:-0} )); }
 { nvidia-smi --query-gpu=name,memory.total --format=csv,noheader; free -g; nproc; } > "$out/device.log" 2>&1
 scale() { OUT=$out/scale bash bench/gpu_scale.sh "$@" >> "$out/device.log" 2>&1; }
-gpu_tests() {  # gpu_tests GPU LOG SECONDS: the CUDA tests of the training loop and the FoX kernel
-  CUDA_VISIBLE_DEVICES=$1 timeout -k 5 "$3" python3 -m pytest -q -rf -p no:cacheprovider \
+gpu_tests() {  # gpu_tests GPU LOG SECONDS: the CUDA tests of the training loop and the FoX kernel, over 6
+  # pytest-xdist workers on the one GPU (in one process the kernel file alone ran past 400 s)
+  CUDA_VISIBLE_DEVICES=$1 timeout -k 5 "$3" python3 -m pytest -q -rf -p no:cacheprovider -n 6 \
     tests/test_gpu_train.py tests/test_fox_kernel.py > "$out/$2" 2>&1
   echo "exit $?" >> "$out/$2"
 }
-product() {  # product VARIANT GPU SECONDS: bench/gpu_pipeline.sh on one GPU, its files in one archive
-  (export LONGCTX_GPUS=$2 LONGCTX_FOX_AUTOTUNE=0 PREFECT_HOME=/tmp/prefect-$1  # (the flow's GPU slot: its stages
+product() {  # product VARIANT GPU SECONDS [NAME]: bench/gpu_pipeline.sh on one GPU, its files in one archive
+  local name=${4:-$1}
+  (export NAME=$name LONGCTX_GPUS=$2 LONGCTX_FOX_AUTOTUNE=0 PREFECT_HOME=/tmp/prefect-$name  # (the flow's GPU slot: its stages
    # get CUDA_VISIBLE_DEVICES=$2 and a lock of that GPU; the first call set CUDA_VISIBLE_DEVICES here instead, and
    # both runs' stages took GPU 0's slot in turn)
-   LIMIT=$3 OUT=$out/pipeline-$1 bash bench/gpu_pipeline.sh "$1" > "$out/pipeline-$1.out" 2>&1
-   mv "$out/pipeline-$1.out" "$out/pipeline-$1/"; tar -C "$out" -czf "$out/pipeline-$1.tar.gz" "pipeline-$1" \
-     && rm -rf "${out:?}/pipeline-$1")
+   LIMIT=$3 OUT=$out/pipeline-$name bash bench/gpu_pipeline.sh "$1" > "$out/pipeline-$name.out" 2>&1
+   mv "$out/pipeline-$name.out" "$out/pipeline-$name/"
+   tar -C "$out" -czf "$out/pipeline-$name.tar.gz" "pipeline-$name" && rm -rf "${out:?}/pipeline-$name")
 }
 status=0
 case $call in
@@ -56,7 +61,8 @@ case $call in
              || status=1
            gpu_tests 1 tests.log "$(left 25)"
            wait ;;
-  one-512k) gpu_tests 1 tests.log "$(left 20)" &
+  one-512k) { gpu_tests 1 tests.log 290
+              [ "$(left)" -gt 100 ] && LONGCTX_FOX_TUNING_CACHE=1 gpu_tests 1 tests-tuning-cache.log "$(left 20)"; } &
             CUDA_VISIBLE_DEVICES=0 GPUS=1 ONE=1 LIMIT=$(left 30) LONG_SEQ=524288 KEEP=6 MODELS=fox-sp scale millions \
               || status=1
             wait ;;
@@ -65,11 +71,14 @@ case $call in
   products) product fox 0 "$(left 20)" &
             product llama 1 "$(left 20)" &
             wait ;;
+  llamas) product llama 0 "$(left 20)" &
+          SET=train.pretrain.factors=search product llama 1 "$(left 20)" llama-factors &
+          wait ;;
   llama-1m) GPUS=2 LIMIT=$(left 15) LONG_SEQ=1048576 KEEP=8 MODELS=sp scale millions || status=1 ;;
   x4) LIMIT=330 LONG_SEQ=2097152 KEEP=8 MODELS=fox-sp scale millions || status=1
       LIMIT=$(left 10) scale scaling || status=1 ;;
   x4-2) GPUS=2 LIMIT=$(left 10) scale scaling || status=1 ;;
-  *) echo "gpu_calls: give fox-one, one-512k, fox-1m, products, llama-1m, x4 or x4-2" >&2; exit 2 ;;
+  *) echo "gpu_calls: give fox-one, one-512k, fox-1m, products, llamas, llama-1m, x4 or x4-2" >&2; exit 2 ;;
 esac
 tar -C "$out" -czf "$out/scale.tar.gz" scale && rm -rf "$out/scale"
 tail -40 "$out/device.log"

@@ -11,6 +11,7 @@
 # and mlartifacts/ without checkpoints), dvc_status.log, pipeline_eval_changed.log, stage_bench.log and the
 # stage bench's JSON (AGAIN=resume: pipeline_resumed.log too).
 #   bash bench/gpu_pipeline.sh [llama|fox]      # fox: the FoX (Pro) + ACP variant, same data and tokens
+# SET="train.pretrain.factors=search ...": params changed over the profile's (dotted keys, YAML values).
 # AGAIN=1: only what follows the main command, in the workspace the last call left (a second device call made
 # while the machine is still warm, when the first had no time left for it); AGAIN=resume: the main command
 # again first (DVC skips the finished stages, a training stage goes on from its last checkpoint).
@@ -26,7 +27,7 @@ mkdir -p "$out"
 source bench/gpu_env.sh || exit 1
 SITE=$([ -d /tmp/site ] && echo /tmp/site)   # where gpu_env.sh installed the carried wheels
 command -v git dvc >/dev/null || { echo "gpu_pipeline: git and dvc are needed on PATH" >&2; exit 1; }
-ws=/tmp/longctx-ws-$variant
+ws=/tmp/longctx-ws-${NAME:-$variant}   # NAME: another workspace for the same variant
 [ "$variant" = fox ] && export TRITON_PRINT_AUTOTUNING=1   # what each FoX kernel tuning costs, in the stages' logs
 left() { echo $(( limit - ($(date +%s) - begin) )); }
 collect() {  # (the device returns a limited number of files: the folders travel as one archive)
@@ -58,18 +59,25 @@ tar --exclude=./.git --exclude=./.whl --exclude=./data --exclude=./bench/work --
 cd "$ws" || exit 1
 export PYTHONPATH=$ws/src:$ws${SITE:+:$SITE}   # the workspace's code, not the carried tree's
 sed -i "s/^profile: .*/profile: ${PROFILE:-gpu-64k}/" params.yaml
-if [ "$variant" = fox ]; then   # FoX (Pro) + ACP: the same data, splits and steps (ACP='': FoX alone, as a CPU runs it)
-  ACP=${ACP-4.54e-5} python3 - <<'EOF'
+# the variant and SET's overrides ("a.b.c=value ...", YAML values, as `dvc exp run -S`) written into params.yaml
+VARIANT=$variant ACP=${ACP-4.54e-5} SET=${SET:-} python3 - <<'EOF' || exit 2
 import os
 import yaml
 p = yaml.safe_load(open("params.yaml"))
-p["model"] = {"arch": "fox"}
-if os.environ["ACP"]:
-    for stage in ("base", "sft"):
-        p["train"][stage] = {"acp_eps": float(os.environ["ACP"])}
+if os.environ["VARIANT"] == "fox":   # FoX (Pro) + ACP: the same data, splits and steps (ACP='': FoX alone)
+    p["model"] = {"arch": "fox"}
+    if os.environ["ACP"]:
+        for stage in ("base", "sft"):
+            p["train"][stage] = {"acp_eps": float(os.environ["ACP"])}
+for item in os.environ["SET"].split():
+    key, value = item.split("=", 1)
+    *path, last = key.split(".")
+    node = p
+    for k in path:
+        node = node.setdefault(k, {})
+    node[last] = yaml.safe_load(value)
 yaml.safe_dump(p, open("params.yaml", "w"), sort_keys=False)
 EOF
-fi
 git init -q && git add -A && git -c user.name=longctx -c user.email=longctx@localhost commit -qm workspace
 { nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || nproc; } | tee "$out/pipeline.log"
 run_main "$out/pipeline.log" ""
