@@ -133,39 +133,42 @@ def test_reading_a_step_does_not_wait_for_the_next(arch):
 def test_prepared_offload_moves_the_block_inputs_and_changes_nothing():
     """offload_activations through the loop's own `prepare`, compiled: each block's input is in host
     memory between the forward and its recomputation, the GPU's peak is lower, and loss and
-    gradients are the plain run's (the first H100 run offloaded nothing: "cuda" != "cuda:0")."""
+    gradients are the plain run's (the first H100 run offloaded nothing: "cuda" != "cuda:0").
+    Gradients compare by each parameter's relative error: bf16 kernels that add in another order
+    part elementwise (an H200 failed an elementwise check at 41% of the embedding's entries, the
+    offload correct: bench/offload_check.py gives 0.6% by norm for every variant, plain or not)."""
     from longctx.config import RunParams
     from longctx.perf import prepared_as
 
     cfg = config("llama").model_copy(update={"n_layers": 6})
+    b = batch(0, 8192)[0]
     results = {}
     for offload, keep in ((False, 0), (True, 0), (True, 2)):
         torch.cuda.empty_cache()
         run = prepared_as(cfg, Parallel(device=DEV), RunParams(steps=1, lr=1e-3, activation_checkpointing="full",
                                                                offload_activations=offload, mlp_tile=1024,
                                                                offload_keep_last=keep))
-        b = batch(0, 8192)[0]
-        run.step([b])  # warm-up: compiled, allocator settled
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        with autocast(run.model, DEV):  # (as the loop runs it: the H200 run called the model in fp32 here)
-            loss = run.model(b.ids, b.cu_seqlens.tolist(), labels=b.labels)
-            held = run.model.layers[0].offload.pending() if offload else 0
-            loss.backward()
+        for _ in range(2):  # the first pass compiles; the same weights for every run (no update)
+            run.opt.zero_grad(set_to_none=True)
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            with autocast(run.model, DEV):  # (as the loop runs it: the H200 run called the model in fp32 here)
+                loss = run.model(b.ids, b.cu_seqlens.tolist(), labels=b.labels)
+                held = run.model.layers[0].offload.pending() if offload else 0
+                loss.backward()
         grads = [p.grad.float().clone() for p in run.model.parameters()]
         results[offload, keep] = (float(loss), grads, torch.cuda.max_memory_allocated() - base, held)
         if offload:
             assert run.model.layers[0].offload.pending() == 0
             assert [blk.offload is None for blk in run.model.layers] == [i >= cfg.n_layers - keep
                                                                     for i in range(cfg.n_layers)]
-        run.opt.zero_grad(set_to_none=True)
     plain, grads, peak, _ = results[False, 0]
     one_input = 8192 * cfg.d_model * 2
     for keep in (0, 2):
         moved, grads2, peak2, held = results[True, keep]
         assert held == cfg.n_layers - keep  # these blocks' inputs on the host until the backward
-        assert moved == pytest.approx(plain, rel=1e-4)  # (the warm-up steps' kernels need not be deterministic)
-        for a, b in zip(grads, grads2, strict=True):
-            torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-4)
+        assert moved == pytest.approx(plain, rel=1e-4)
+        for a, b2 in zip(grads, grads2, strict=True):
+            assert float((a - b2).norm() / a.norm()) < 0.03  # (a wrong or raced input: errors of order 1)
         assert peak2 < peak - (cfg.n_layers - keep - 2) * one_input  # most moved inputs off the GPU
     assert results[True, 2][2] > results[True, 0][2] + one_input  # the kept ones on it
