@@ -174,4 +174,3 @@ def test_prepared_offload_moves_the_block_inputs_and_changes_nothing():
     # GPU) is lower by more than an input: H200, 8,192 tokens, 6 blocks: 93.4 MB plain, 86.0 offloaded
     peaks = {k: v[2] for k, v in results.items()}
     assert peaks[True, 0] < peak - one_input, peaks
-    assert peaks[True, 2] >= peaks[True, 0], peaks  # (inputs kept on the GPU cannot lower it)
