@@ -9,14 +9,14 @@
 #   bash bench/gpu_calls.sh fox-one    GPU 0: the product's FoX (Pro)+ACP run of the gpu-64k profile
 #                                      (issue 32); GPU 1: FoX at 524,288 tokens on one GPU, FSDP2's
 #                                      CPU offload too (issue 34), then the CUDA tests
-#   bash bench/gpu_calls.sh one-512k   GPU 0: the same 524,288-token run alone, all but the last 6 block
-#                                      inputs on the host (with 16 kept it ran out of memory: a block's
-#                                      backward over 512K tokens needs ~70 GiB; the host holds the
-#                                      offloaded optimizer state, 119 GiB, and 104 GiB of inputs);
-#                                      GPU 1: the CUDA tests, then again with the FoX tuning cache on
+#   bash bench/gpu_calls.sh one-512k   GPU 0: the same 524,288-token run alone, all but the last 10 block
+#                                      inputs on the host (16 kept ran out of GPU memory: a block's
+#                                      backward over 512K tokens needs ~70 GiB; 6 kept was killed for
+#                                      host memory, beside the CUDA tests' 6 processes: the host holds
+#                                      the offloaded optimizer state, 119 GiB, and 4 GiB an input);
+#                                      then, if 200 s are left, GPU 1: the CUDA tests
 #   bash bench/gpu_calls.sh fox-1m     GPUs 0-1: FoX (Pro)+ACP at 1,048,576 tokens, Ulysses SP 2
-#                                      (issue 34); then GPU 0: the CUDA tests with the FoX tuning
-#                                      cache on
+#                                      (issue 34); then GPU 0: the CUDA tests
 #   bash bench/gpu_calls.sh products   the product's gpu-64k runs side by side: GPU 0 FoX (Pro)+ACP,
 #                                      GPU 1 Llama (issue 32)
 #   bash bench/gpu_calls.sh llamas     the product's gpu-64k Llama run twice side by side: GPU 0 as the
@@ -61,13 +61,11 @@ case $call in
              || status=1
            gpu_tests 1 tests.log "$(left 25)"
            wait ;;
-  one-512k) { gpu_tests 1 tests.log 290
-              [ "$(left)" -gt 100 ] && LONGCTX_FOX_TUNING_CACHE=1 gpu_tests 1 tests-tuning-cache.log "$(left 20)"; } &
-            CUDA_VISIBLE_DEVICES=0 GPUS=1 ONE=1 LIMIT=$(left 30) LONG_SEQ=524288 KEEP=6 MODELS=fox-sp scale millions \
+  one-512k) CUDA_VISIBLE_DEVICES=0 GPUS=1 ONE=1 LIMIT=$(left 15) LONG_SEQ=524288 KEEP=10 MODELS=fox-sp scale millions \
               || status=1
-            wait ;;
+            [ "$(left)" -gt 200 ] && gpu_tests 1 tests.log "$(left 10)" ;;
   fox-1m) GPUS=2 LIMIT=$(left 60) LONG_SEQ=1048576 KEEP=8 MODELS=fox-sp scale millions || status=1
-          [ "$(left)" -gt 60 ] && LONGCTX_FOX_TUNING_CACHE=1 gpu_tests 0 tests-tuning-cache.log "$(left 10)" ;;
+          [ "$(left)" -gt 60 ] && gpu_tests 0 tests.log "$(left 10)" ;;
   products) product fox 0 "$(left 20)" &
             product llama 1 "$(left 20)" &
             wait ;;
