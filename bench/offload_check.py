@@ -1,8 +1,9 @@
 """Where activation offload's gradients part from the plain run's on a GPU (issue 34: the CUDA test
 `test_prepared_offload_moves_the_block_inputs_and_changes_nothing` failed on an H200, the loss equal,
-41% of the embedding gradient's entries outside an elementwise tolerance). One forward and backward of the same weights and batch, plain
-and offloaded, in each variant: compiled or eager blocks, the side stream's asynchronous copies or
-synchronous ones, MLP tiles or none. Prints each variant's worst parameters; writes JSON.
+41% of the embedding gradient's entries outside an elementwise tolerance). One forward and backward
+of the same weights and batch, plain and offloaded, in each variant: compiled or eager blocks, the
+side stream's asynchronous copies or synchronous ones, MLP tiles or none. Prints each variant's
+worst parameters; writes JSON.
     python bench/offload_check.py [--tokens 8192] [--out DIR]"""
 
 from __future__ import annotations
