@@ -11,7 +11,6 @@ what one at 512K needs (x8).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import itertools
 import time
 from collections import Counter
@@ -69,7 +68,7 @@ def by_site(allocs: list[tuple[int, str]], listed: int = 14) -> list[dict]:
 
 def measure(arch: str, compile: bool, tokens: int, layers: int, tile: int, recompute: str) -> dict:
     dev = torch.device("cuda")
-    cfg = dataclasses.replace(preset("llama3-8b", arch, tokens), n_layers=layers)
+    cfg = preset("llama3-8b", arch, tokens).model_copy(update={"n_layers": layers})
     run = prepared(cfg, Parallel(device=dev), compile=compile, recompute=recompute, acp=arch == "fox",
                    backend="fox" if arch == "fox" else "auto", mlp_tile=tile)
     batch = [one_document(tokens, cfg.vocab_size, dev)]
