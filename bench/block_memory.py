@@ -25,11 +25,12 @@ from longctx.train.parallel import Parallel
 GIB = 2**30
 
 
-def site(frames: list[dict]) -> str:
+def site(frames: list[dict], size: int, unit: int) -> str:
     """Where an allocation came from: the innermost frame in longctx's code, after the innermost
-    frame of all when that is a compiled graph's or torch's own ("graph <- transformer.py:..")."""
+    frame of all when that is a compiled graph's or torch's own ("graph <- transformer.py:.."); with
+    no Python frame (autograd's engine, or a trace without stacks), its size in block inputs."""
     if not frames:
-        return "(no Python frame: autograd's engine)"
+        return f"(no Python frame) {size / unit:.3g} block inputs"
     ours = next((f for f in frames if "/longctx/" in f["filename"]), None)
     first = frames[0]
     where = (f"{Path(ours['filename']).name}:{ours['line']} {ours['name']}" if ours is not None else
@@ -39,10 +40,10 @@ def site(frames: list[dict]) -> str:
     return where
 
 
-def live_at_peak(events: list[dict]) -> tuple[int, list[tuple[int, str]]]:
+def live_at_peak(events: list[dict], unit: int = 1) -> tuple[int, list[tuple[int, str]]]:
     """(the largest sum of live bytes over the trace, the allocations live then as (bytes, site)).
     Counts what the trace allocated and freed; what was allocated before it (weights, optimizer
-    state) is the base it adds to."""
+    state) is the base it adds to. `unit`: a block input's bytes."""
     live: dict[int, tuple[int, list]] = {}
     total = peak = 0
     at_peak: dict[int, tuple[int, list]] = {}
@@ -54,7 +55,7 @@ def live_at_peak(events: list[dict]) -> tuple[int, list[tuple[int, str]]]:
                 peak, at_peak = total, dict(live)
         elif e["action"] == "free_completed" and e["addr"] in live:
             total -= live.pop(e["addr"])[0]
-    return peak, [(size, site(frames)) for size, frames in at_peak.values()]
+    return peak, [(size, site(frames, size, unit)) for size, frames in at_peak.values()]
 
 
 def by_site(allocs: list[tuple[int, str]], listed: int = 14) -> list[dict]:
@@ -66,7 +67,9 @@ def by_site(allocs: list[tuple[int, str]], listed: int = 14) -> list[dict]:
             for where, b in sums.most_common(listed)]
 
 
-def measure(arch: str, compile: bool, tokens: int, layers: int, tile: int, recompute: str) -> dict:
+def measure(arch: str, compile: bool, tokens: int, layers: int, tile: int, recompute: str, stacks: bool) -> dict:
+    """One step's peak over the step before it; with `stacks`, each allocation's Python frames
+    (torch 2.11 failed a compiled block's recomputation under them: SystemError in autograd)."""
     dev = torch.device("cuda")
     cfg = preset("llama3-8b", arch, tokens).model_copy(update={"n_layers": layers})
     run = prepared(cfg, Parallel(device=dev), compile=compile, recompute=recompute, acp=arch == "fox",
@@ -75,17 +78,19 @@ def measure(arch: str, compile: bool, tokens: int, layers: int, tile: int, recom
     run.step(batch)  # compiles; AdamW makes its state
     torch.cuda.reset_peak_memory_stats(dev)
     base = torch.cuda.memory_allocated(dev)
-    torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python",
+                                             context="alloc" if stacks else None)
     seconds, _ = run.step(batch)
     trace = torch.cuda.memory._snapshot()["device_traces"][dev.index or 0]
     torch.cuda.memory._record_memory_history(enabled=None)
-    peak, allocs = live_at_peak(trace)
+    unit = tokens * cfg.d_model * 2
+    peak, allocs = live_at_peak(trace, unit)
     row = {"model": arch, "compiled": compile, "recompute": recompute, "tokens": tokens, "layers": layers,
            "mlp_tile": tile, "step_s": round(seconds, 3), "base_gib": round(base / GIB, 2),
            "peak_over_base_gib": round(peak / GIB, 2),
            "allocator_peak_over_base_gib": round((torch.cuda.max_memory_allocated(dev) - base) / GIB, 2),
-           "input_gib": round(tokens * cfg.d_model * 2 / GIB, 3), "sites": by_site(allocs)}
-    row["inputs_at_peak"] = round(peak / (tokens * cfg.d_model * 2), 1)
+           "input_gib": round(unit / GIB, 3), "sites": by_site(allocs)}
+    row["inputs_at_peak"] = round(peak / unit, 1)
     del run
     torch.cuda.empty_cache()
     return row
@@ -105,7 +110,7 @@ def main() -> None:
     for arch, recompute, compile in itertools.product(args.models, args.recompute,
                                                       (True, False) if args.eager else (True,)):
         t0 = time.perf_counter()
-        row = measure(arch, compile, args.tokens, args.layers, args.tile, recompute)
+        row = measure(arch, compile, args.tokens, args.layers, args.tile, recompute, stacks=not compile)
         rows.append(row)
         print(f"\n{arch} {recompute} {'compiled' if compile else 'eager'}: peak {row['peak_over_base_gib']} GiB over "
               f"the base {row['base_gib']} ({row['inputs_at_peak']} block inputs of {row['input_gib']} GiB; allocator "

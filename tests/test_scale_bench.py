@@ -126,7 +126,7 @@ def test_block_memory_lists_what_is_live_at_the_peak_by_site():
     assert peak == 180
     sites = {s["site"]: (s["gib"], s["tensors"]) for s in by_site(live)}
     assert set(sites) == {"transformer.py:7 _residual", "compiled graph <- transformer.py:7 _residual",
-                          "(no Python frame: autograd's engine)"}
+                          "(no Python frame) 30 block inputs"}
     later = events + [{"action": "alloc", "addr": 5, "size": 90, "frames": [ours]}]  # 50 + 60 + 90 live
     peak, live = live_at_peak(later)
     assert peak == 200 and sorted(size for size, _ in live) == [50, 60, 90]
