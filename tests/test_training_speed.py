@@ -89,7 +89,7 @@ LAYOUTS = ([0, 50, 128], [0, 30, 90, 128], [0, 10, 20, 100, 128])
 
 
 @pytest.mark.parametrize("arch", ["llama", "fox"])
-@pytest.mark.parametrize("mode", ["full", "selective", "attention"])
+@pytest.mark.parametrize("mode", ["full", "halves", "selective", "attention"])
 def test_recomputation_gives_the_same_loss_and_gradients(arch, mode):
     plain, recomputed = twins(arch)
     recomputed.recompute = mode

@@ -286,7 +286,8 @@ class RunParams(Strict):
     keep_last: PositiveInt = 2
     loss_chunk: PositiveInt = 2048
     activation_checkpointing: Recompute = "none"
-    """Per block: none, full (recompute the block in the backward), selective (keep matmul and
+    """Per block: none, full (recompute the block in the backward), halves (full, each half's backward
+    apart: a smaller working set for one more forward of attention's projections), selective (keep matmul and
     attention outputs, recompute the elementwise work) or attention (full, but attention's output
     kept: its forward is not run twice)."""
     compile: bool = True
@@ -295,7 +296,7 @@ class RunParams(Strict):
     """FSDP2 CPU offload of parameters, gradients and optimizer state (GPU runs; the optimizer
     then steps on the CPU): for sequences too long for the GPU otherwise."""
     offload_activations: bool = False
-    """With full activation checkpointing: each block's saved input goes to pinned host memory
+    """With full (or halves) activation checkpointing: each block's saved input goes to pinned host memory
     during the forward (overlapped) and comes back for its recomputation (GPU runs). At millions
     of tokens those inputs, not the weights, fill the GPU."""
     offload_keep_last: NonNegativeInt = 0
@@ -315,9 +316,10 @@ class RunParams(Strict):
 
     @model_validator(mode="after")
     def _offload_needs_full_recomputation(self) -> RunParams:
-        if self.offload_activations and self.activation_checkpointing != "full":
+        if self.offload_activations and self.activation_checkpointing not in ("full", "halves"):
             raise ValueError(f"offload_activations moves the block inputs that full recomputation keeps; "
-                             f"activation_checkpointing is {self.activation_checkpointing!r}: set it to full")
+                             f"activation_checkpointing is {self.activation_checkpointing!r}: set it to full "
+                             f"or halves")
         if self.offload_keep_last and not self.offload_activations:
             raise ValueError(f"offload_keep_last ({self.offload_keep_last}) keeps some block inputs on the GPU "
                              f"of those offload_activations moves, which is off")

@@ -21,7 +21,7 @@ def head_dim_refused(backend: str, head_dim: int) -> str | None:
     return None
 
 
-Recompute = Literal["none", "full", "selective", "attention"]
+Recompute = Literal["none", "full", "halves", "selective", "attention"]
 """Activation checkpointing of a block (model/recompute.py)."""
 
 

@@ -2,6 +2,12 @@
 
   none        keep every activation the backward needs
   full        keep the block's input only and run its forward again in the backward
+  halves      full, the block's forward run again with its attention half checkpointed once more
+              (keeping attention's output): the MLP half's backward comes first and runs without
+              the attention half's activations, which are made again only for their own backward;
+              one more forward of the attention half's projections, attention's own not run again
+              (transformer.Block). Full's working set holds both halves' at once: at 512K tokens of
+              the 8B shape ~16 block inputs (64 GiB)
   selective   keep the outputs of matmuls and attention, recompute the elementwise work between
               them (norms, activations, gates, RoPE, casts): most of full's memory saving on
               elementwise tensors, little of its compute

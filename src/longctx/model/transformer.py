@@ -218,15 +218,32 @@ class Block(nn.Module):
         block has no side effects to trip torch.compile or to count twice when recomputed."""
         if ctx.cache is not None or not torch.is_grad_enabled():
             return self._residual(x, ctx)
+        body, mode = (self._halves, "full") if self.recompute == "halves" else (self._residual, self.recompute)
         if self.offload is not None:
             with self.offload.hooks():  # (what the checkpoint saves: the block's input alone)
-                return recomputed(self._residual, self.recompute, x, ctx)
-        return recomputed(self._residual, self.recompute, x, ctx)
+                return recomputed(body, mode, x, ctx)
+        return recomputed(body, mode, x, ctx)
 
     def _residual(self, x: torch.Tensor, ctx: Context) -> tuple[torch.Tensor, torch.Tensor | None]:
+        h, tiles = self._attention_half(x, ctx)
+        return self._mlp_half(h), tiles
+
+    def _attention_half(self, x: torch.Tensor, ctx: Context) -> tuple[torch.Tensor, torch.Tensor | None]:
         a, tiles = self.self_attn(self.input_layernorm(x), ctx)
-        x = x + a
-        return x + self.mlp(self.post_attention_layernorm(x)), tiles
+        return x + a, tiles
+
+    def _mlp_half(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+    def _halves(self, x: torch.Tensor, ctx: Context) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The block as `halves` recomputation runs it again in the backward: the attention half
+        keeps its input and attention's output alone, so the MLP half's backward, which comes
+        first, runs beside those and not beside all the attention half's activations."""
+        h, tiles = self._attention_kept(x, ctx)
+        return self._mlp_half(h), tiles
+
+    def _attention_kept(self, x: torch.Tensor, ctx: Context) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return recomputed(self._attention_half, "attention", x, ctx)
 
 
 class Context:

@@ -18,10 +18,14 @@ def compile_blocks(model: Transformer, backend: str = "inductor", fullgraph: boo
     `model.recompute` is set. Full recomputation checkpoints the compiled block body from outside:
     inside the graph the partitioner kept more than the block's input (8B, SP 2, 131K tokens:
     116.8 GiB per GPU against 82.3 eager). Per-operator recomputation (selective, attention) must
-    see each operator, so the checkpoint goes inside the graph with it."""
+    see each operator, so the checkpoint goes inside the graph with it; `halves` compiles its two
+    halves apart, the attention half with its own checkpoint inside."""
     for block in model.layers:
         if block.recompute in PER_OPERATOR:
             block.forward = torch.compile(block.forward, backend=backend, fullgraph=fullgraph)
+        elif block.recompute == "halves":  # (the block's own checkpoint outside, the attention half's inside)
+            block._attention_kept = torch.compile(block._attention_kept, backend=backend, fullgraph=fullgraph)
+            block._mlp_half = torch.compile(block._mlp_half, backend=backend, fullgraph=fullgraph)
         else:
             block._residual = torch.compile(block._residual, backend=backend, fullgraph=fullgraph)
     model.compiled_loss = True
