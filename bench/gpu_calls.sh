@@ -9,13 +9,17 @@
 #   bash bench/gpu_calls.sh fox-one    GPU 0: the product's FoX (Pro)+ACP run of the gpu-64k profile
 #                                      (issue 32); GPU 1: FoX at 524,288 tokens on one GPU, FSDP2's
 #                                      CPU offload too (issue 34), then the CUDA tests
-#   bash bench/gpu_calls.sh one-512k   GPU 0: the same 524,288-token run alone, all but the last 10 block
-#                                      inputs on the host (16 kept ran out of GPU memory: a block's
-#                                      backward over 512K tokens needs ~70 GiB; 6 kept was killed for
-#                                      host memory, beside the CUDA tests' 6 processes: the host holds
-#                                      the offloaded optimizer state, 119 GiB, and 4 GiB an input);
-#                                      then, if 200 s are left, GPU 1: the CUDA tests
-#   bash bench/gpu_calls.sh fox-1m     GPUs 0-1: FoX (Pro)+ACP at 1,048,576 tokens, Ulysses SP 2
+#   bash bench/gpu_calls.sh one-512k   GPU 0: the same 524,288-token run alone, `halves` recomputation,
+#                                      all but the last 16 block inputs on the host (under full
+#                                      recomputation 16 kept ran out of GPU memory: a block's backward
+#                                      over 512K tokens needed ~70 GiB, ~40 in halves, block_memory.py;
+#                                      6 kept was killed for host memory beside the CUDA tests' 6
+#                                      processes: the host holds the offloaded optimizer state, 119 GiB,
+#                                      and 4 GiB an input); then, if 200 s are left, GPU 1: the CUDA tests
+#   bash bench/gpu_calls.sh fox-1m     GPUs 0-1: FoX (Pro)+ACP at 1,048,576 tokens, Ulysses SP 2,
+#                                      `halves`, the optimizer state on the GPUs (60 GiB each), 6 block
+#                                      inputs kept on each (208 GiB of inputs on the host); failing, with
+#                                      330 s left: the state on the host (119 GiB), 20 inputs kept
 #                                      (issue 34); then GPU 0: the CUDA tests
 #   bash bench/gpu_calls.sh products   the product's gpu-64k runs side by side: GPU 0 FoX (Pro)+ACP,
 #                                      GPU 1 Llama (issue 32)
@@ -57,14 +61,19 @@ product() {  # product VARIANT GPU SECONDS [NAME]: bench/gpu_pipeline.sh on one 
 status=0
 case $call in
   fox-one) product fox 0 "$(left 20)" &
-           CUDA_VISIBLE_DEVICES=1 GPUS=1 ONE=1 LIMIT=330 LONG_SEQ=524288 KEEP=16 MODELS=fox-sp scale millions \
+           CUDA_VISIBLE_DEVICES=1 GPUS=1 STATES=host LIMIT=330 LONG_SEQ=524288 KEEP=16 MODELS=fox-sp scale millions \
              || status=1
            gpu_tests 1 tests.log "$(left 25)"
            wait ;;
-  one-512k) CUDA_VISIBLE_DEVICES=0 GPUS=1 ONE=1 LIMIT=$(left 15) LONG_SEQ=524288 KEEP=10 MODELS=fox-sp scale millions \
+  one-512k) CUDA_VISIBLE_DEVICES=0 GPUS=1 STATES=host LIMIT=$(left 15) LONG_SEQ=524288 KEEP=16 MODELS=fox-sp scale millions \
               || status=1
             [ "$(left)" -gt 200 ] && gpu_tests 1 tests.log "$(left 10)" ;;
-  fox-1m) GPUS=2 LIMIT=$(left 60) LONG_SEQ=1048576 KEEP=8 MODELS=fox-sp scale millions || status=1
+  fox-1m) # 6 inputs kept with the optimizer state on the GPUs; out of memory, 20 kept with the state on the host
+          GPUS=2 LIMIT=$(left 60) LONG_SEQ=1048576 KEEP=6 MODELS=fox-sp scale millions; first=$?
+          if { [ $first -ne 0 ] || grep -q "out of memory" "$out"/scale/scale-fox-sp-1024k-*-keep6.log; } \
+             && [ "$(left)" -gt 330 ]; then
+            GPUS=2 LIMIT=$(left 60) LONG_SEQ=1048576 KEEP=20 STATES=host MODELS=fox-sp scale millions || status=1
+          elif [ $first -ne 0 ]; then status=1; fi
           [ "$(left)" -gt 60 ] && gpu_tests 0 tests.log "$(left 10)" ;;
   products) product fox 0 "$(left 20)" &
             product llama 1 "$(left 20)" &
@@ -72,7 +81,7 @@ case $call in
   llamas) product llama 0 "$(left 20)" &
           SET=train.pretrain.factors=search product llama 1 "$(left 20)" llama-factors &
           wait ;;
-  llama-1m) GPUS=2 LIMIT=$(left 15) LONG_SEQ=1048576 KEEP=8 MODELS=sp scale millions || status=1 ;;
+  llama-1m) GPUS=2 LIMIT=$(left 15) LONG_SEQ=1048576 KEEP=6 MODELS=sp scale millions || status=1 ;;
   x4) LIMIT=330 LONG_SEQ=2097152 KEEP=8 MODELS=fox-sp scale millions || status=1
       LIMIT=$(left 10) scale scaling || status=1 ;;
   x4-2) GPUS=2 LIMIT=$(left 10) scale scaling || status=1 ;;

@@ -23,8 +23,9 @@
 #          tokens/s/GPU of one over the other
 # millions: $MODELS (default: fox-sp sp) at $LONG_SEQ tokens (default 1048576), Ulysses over all GPUs,
 #          two steps (the first compiles; the second, timed, holds the optimizer state), the MLP in
-#          65,536-token tiles, the block inputs in host memory but for the last $KEEP blocks (default
-#          0); ONE=1: on one GPU, with FSDP2's CPU offload of the weights and optimizer state too
+#          65,536-token tiles, $RECOMPUTE recomputation (default halves: a block's backward in two
+#          parts), the block inputs in host memory but for the last $KEEP blocks (default 0);
+#          STATES=host: FSDP2's CPU offload of the weights and optimizer state too (one GPU's must)
 set -uo pipefail
 out=${OUT:-bench/results}
 mkdir -p "$out"
@@ -60,9 +61,10 @@ for part in ${*:-fsdp unsorted sp}; do
          scale -sp-fit-offload-$((off / 1024))k sp --sp-seq "$off" --recompute full --offload --fit ;;
     scaling) scale -64k-full-steady fsdp --accum 2 --recompute full --steps 3 --warmup 0 ;;
     millions) long=${LONG_SEQ:-1048576}
+              rc=${RECOMPUTE:-halves}
               for m in ${MODELS:-fox-sp sp}; do
-                scale -${m%sp}sp-$((long / 1024))k-offload "$m" --sp-seq "$long" --recompute full --mlp-tile 65536 \
-                  --offload-activations --offload-keep-last "${KEEP:-0}" ${ONE:+--offload} --warmup 0
+                scale -${m%sp}sp-$((long / 1024))k-offload-$rc-keep${KEEP:-0}${STATES:+-states} "$m" --sp-seq "$long" --recompute "$rc" --mlp-tile 65536 \
+                  --offload-activations --offload-keep-last "${KEEP:-0}" ${STATES:+--offload} --warmup 0
               done ;;
     *) echo "unknown part $part (fsdp, unsorted, sp, longest, steady, fit, scaling, millions)"; status=1 ;;
   esac

@@ -205,7 +205,7 @@ def main() -> None:
     ap.add_argument("--mlp-tile", type=int, help="tokens per MLP tile (the [tokens, ffn] intermediates one tile "
                     "at a time; default: untiled)")
     ap.add_argument("--offload-activations", action="store_true", help="full recomputation's block inputs in "
-                    "pinned host memory (with --recompute full)")
+                    "pinned host memory (with --recompute full or halves)")
     ap.add_argument("--offload-keep-last", type=int, default=0, help="with --offload-activations: the last N "
                     "blocks keep their inputs on the GPU (host memory holds the others)")
     ap.add_argument("--no-compile", action="store_true", help="eager blocks (compiled is the default on CUDA)")

@@ -31,8 +31,9 @@ def run(cmd: list[str], out) -> dict:
 @pytest.mark.slow
 def test_two_ranks_report_every_setting_and_match_one_process(tmp_path):
     two = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *ARGS,
-               "--settings", "fsdp", "sp", "fox-fsdp"], tmp_path / "two")
-    one = run([sys.executable, *ARGS, "--settings", "sp", "--mlp-tile", "300"], tmp_path / "one")  # (same losses)
+               "--settings", "fsdp", "sp", "fox-fsdp", "--recompute", "halves"], tmp_path / "two")
+    # (same losses: full recomputation and MLP tiles in one process, halves over two ranks)
+    one = run([sys.executable, *ARGS, "--settings", "sp", "--mlp-tile", "300"], tmp_path / "one")
     rows = {r["setting"]: r for r in two["rows"]}
     assert two["world"] == 2 and set(rows) == {"fsdp", "sp", "fox-fsdp"}
     assert rows["sp"]["sp"] == 2 and rows["fsdp"]["sp"] == 1
