@@ -9,7 +9,7 @@
 #                                                    # none), TILE (8192), ONLY (the 64K variants to run)
 set -uo pipefail
 out=$(realpath -m "${OUT:-bench/results}")
-shape=${SHAPE:-fox-760m} seq=${SEQ:-65536} long=${LONG:-262144} tile=${TILE:-8192}
+shape=${SHAPE:-fox-760m} seq=${SEQ:-65536} long=${LONG-262144} tile=${TILE:-8192}
 mkdir -p "$out"
 source bench/gpu_env.sh || exit 1
 log=$out/memory_options.log
