@@ -91,11 +91,11 @@ def test_compute_copies_follow_fsdp_world_of_one():
 
 def test_recomputation_keeps_the_losses_and_saves_memory():
     curves = {mode: curve("llama", compile=True, recompute=mode, steps=3, tokens=32768)
-              for mode in ("none", "selective", "full")}
-    for mode in ("selective", "full"):
+              for mode in ("none", "selective", "full", "halves")}
+    for mode in ("selective", "full", "halves"):
         for a, b in zip(curves[mode][0], curves["none"][0], strict=True):
             assert abs(a - b) <= 0.01 * abs(b)
-    assert curves["full"][1] < curves["selective"][1] < curves["none"][1]
+    assert curves["halves"][1] < curves["full"][1] < curves["selective"][1] < curves["none"][1]
 
 
 def test_single_gpu_checkpoint_resumes_the_run(tmp_path):
