@@ -28,9 +28,12 @@
 #                                      `train.pretrain.factors: search` (LongRoPE2's factors in both stages)
 #   bash bench/gpu_calls.sh llama-1m   GPUs 0-1: the Transformer at 1,048,576 tokens, SP 2 (issue 34)
 # On 4 x H200 (nvidia-h200-x4, issue 36):
-#   bash bench/gpu_calls.sh x4         FoX (Pro)+ACP at 2,097,152 tokens with SP 4, block inputs on
-#                                      the host but the last 8; then the FSDP2 64K scaling rows
-#   bash bench/gpu_calls.sh x4-2       the same scaling rows on 2 of the GPUs (the ratio's other end)
+#   bash bench/gpu_calls.sh x4         FoX (Pro)+ACP at 2,097,152 tokens with SP 4 alone (512K tokens a
+#                                      GPU, as fox-1m's that fit: halves, inputs on the host but the last
+#                                      8; fox-1m's steps took 240 s (compiling) and 91 s, so 330 s did not
+#                                      leave room for the scaling rows too)
+#   bash bench/gpu_calls.sh x4-2       the FSDP2 64K scaling rows on all 4 GPUs, then on 2 of them: both
+#                                      ends of the ratio from one machine
 # What comes back (8 files at most): scale.tar.gz (scale.py's JSON and logs), tests*.log,
 # pipeline-*.tar.gz (bench/gpu_pipeline.sh's files), device.log. LIMIT: seconds for the whole script.
 set -uo pipefail
@@ -82,9 +85,9 @@ case $call in
           SET=train.pretrain.factors=search product llama 1 "$(left 20)" llama-factors &
           wait ;;
   llama-1m) GPUS=2 LIMIT=$(left 15) LONG_SEQ=1048576 KEEP=6 MODELS=sp scale millions || status=1 ;;
-  x4) LIMIT=330 LONG_SEQ=2097152 KEEP=8 MODELS=fox-sp scale millions || status=1
-      LIMIT=$(left 10) scale scaling || status=1 ;;
-  x4-2) GPUS=2 LIMIT=$(left 10) scale scaling || status=1 ;;
+  x4) LIMIT=$(left 15) LONG_SEQ=2097152 KEEP=8 MODELS=fox-sp scale millions || status=1 ;;
+  x4-2) LIMIT=$(( $(left) / 2 )) scale scaling || status=1
+        GPUS=2 LIMIT=$(left 10) scale scaling || status=1 ;;
   *) echo "gpu_calls: give fox-one, one-512k, fox-1m, products, llamas, llama-1m, x4 or x4-2" >&2; exit 2 ;;
 esac
 tar -C "$out" -czf "$out/scale.tar.gz" scale && rm -rf "$out/scale"
