@@ -59,7 +59,7 @@ for part in ${*:-fsdp unsorted sp}; do
     fit) fit=${FIT_SEQ:-393216} off=${OFFLOAD_SEQ:-589824}
          scale -sp-fit-$((fit / 1024))k sp --sp-seq "$fit" --recompute full --fit
          scale -sp-fit-offload-$((off / 1024))k sp --sp-seq "$off" --recompute full --offload --fit ;;
-    scaling) scale -64k-full-steady fsdp --accum 2 --recompute full --steps 3 --warmup 0 ;;
+    scaling) scale -64k-full-steady-${gpus}gpu fsdp --accum 2 --recompute full --steps 3 --warmup 0 ;;
     millions) long=${LONG_SEQ:-1048576}
               rc=${RECOMPUTE:-halves}
               for m in ${MODELS:-fox-sp sp}; do
