@@ -59,11 +59,17 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Te
          log_f: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
     groups = q.shape[1] // k.shape[1]
     lam = doc_cumsum(log_f, cu_seqlens) if log_f is not None else None
-    out = torch.empty_like(q)
     bounds = cu_seqlens.tolist()
     doc = doc_ids(cu_seqlens, q.shape[0]) if len(bounds) > 2 else None
-    for a, b, several in _groups(bounds):
-        qd, kd, vd = (t[a:b].transpose(0, 1)[None] for t in (q, k, v))  # [1, H, L, D]: 4-D for the flash kernels
+    runs = _groups(bounds)
+    sizes = [b - a for a, b, _ in runs]
+    # split and cat, not slicing and index assignment: each slice's backward filled a zero tensor
+    # of the whole sequence (on the tiny CPU base, a fifth of a step's time)
+    qs, ks, vs = (t.split(sizes) for t in (q, k, v))
+    lams = lam.split(sizes) if lam is not None else None
+    out = []
+    for i, (a, b, several) in enumerate(runs):
+        qd, kd, vd = (t[i].transpose(0, 1)[None] for t in (qs, ks, vs))  # [1, H, L, D]: 4-D for the flash kernels
         if lam is None and not several:
             o = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale, enable_gqa=groups > 1)
         else:
@@ -73,11 +79,11 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Te
             if lam is None:
                 mask = allowed
             else:
-                ld = lam[a:b].T  # [H, L]
+                ld = lams[i].T  # [H, L]
                 mask = (ld[:, :, None] - ld[:, None, :]).masked_fill(~allowed, float("-inf")).to(q.dtype)
             o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=mask, scale=scale, enable_gqa=groups > 1)
-        out[a:b] = o[0].transpose(0, 1)
-    return out
+        out.append(o[0].transpose(0, 1))
+    return torch.cat(out)
 
 
 def _flash_only(name: str, q: torch.Tensor, log_f: torch.Tensor | None) -> None:
