@@ -49,7 +49,7 @@ Sequence = tuple[np.ndarray, list[int]]
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-    """Defaults: the tiny profile's base stage (src/longctx/profiles/tiny.yaml)."""
+    """Defaults: the tiny base's training (src/longctx/profiles/tiny-scratch.yaml)."""
 
     steps: int = 1000
     batch: int = 16

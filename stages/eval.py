@@ -27,10 +27,15 @@ PLOT_DIR = PLOTS / "eval"
 
 
 def checkpoints(cfg: Params) -> dict[str, Path]:
-    """Name -> folder of every checkpoint the pipeline made, in training order."""
+    """Name -> folder of every checkpoint the pipeline made, in training order; "base" is the one
+    pretraining started from: the base stage's, or pretrain.init when that is a checkpoint of this
+    project's (the tiny profile's committed base; a hub model is not scored here)."""
     out = {}
+    init = Path(cfg.train.pretrain.init)
     if cfg.train.base is not None:
         out["base"] = _train.MODELS / "base"
+    elif (init / "longctx_config.json").is_file():
+        out["base"] = init
     for stage in cfg.train.pretrain.stages:
         out[f"pretrain_{stage.split}"] = _train.MODELS / "pretrain" / stage.split
     out["sft"] = _train.MODELS / "sft"

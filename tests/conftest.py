@@ -25,7 +25,7 @@ os.environ.setdefault("LONGCTX_FOX_AUTOTUNE", "0")
 
 # The tiny profile scaled down further so a full corpora -> tokenize -> pack run takes seconds.
 SMALL = {
-    "profile": "tiny",
+    "profile": "tiny-scratch",
     "corpora": {"domains": {
         "code_repos": {"sources": [{"builtin": "stdlib_repos", "max_bytes": 1_500_000}]},
         "books": {"sources": [{"builtin": "stdlib_books", "max_bytes": 1_000_000}]},

@@ -8,7 +8,7 @@ from longctx import config
 from longctx.errors import ConfigError
 
 
-@pytest.mark.parametrize("profile", ["tiny", "gpu-64k", "prolong-64k", "prolong-512k"])
+@pytest.mark.parametrize("profile", ["tiny", "tiny-scratch", "gpu-64k", "prolong-64k", "prolong-512k"])
 def test_profiles_resolve(profile):
     cfg = config.resolve({"profile": profile})
     assert cfg.profile == profile
@@ -76,7 +76,7 @@ def test_prolong_mix_is_table_9():
 )
 def test_bad_values_name_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
-        config.resolve(overrides)
+        config.resolve({"profile": "tiny-scratch", **overrides})
 
 
 def test_null_drops_a_key_and_text_keys_match_numbers():
@@ -105,8 +105,8 @@ def test_params_file_errors(tmp_path):
     bad.write_text("profile: tiny\npack: {seed: 1}\neval: {}\npack: {seed: 2}\n")
     with pytest.raises(ConfigError, match=r"bad\.yaml:4:1: not valid YAML: duplicate key 'pack'"):
         config.load(bad)
-    bad.write_text("profile: tiny\neval: {samples: 2}\nrope_search: {population: 4}\ntrain: {base: {steps: 3}}\n"
-                   "x: &run {steps: 2, lr: 1.0e-3}\n")
+    bad.write_text("profile: tiny-scratch\neval: {samples: 2}\nrope_search: {population: 4}\n"
+                   "train: {base: {steps: 3}}\nx: &run {steps: 2, lr: 1.0e-3}\n")
     with pytest.raises(ConfigError, match=r"x: unknown key"):  # parsed (anchors work), then refused by name
         config.load(bad)
     for key in ("tasks", "lengths"):  # nothing to evaluate is a mistake, not a run
@@ -129,3 +129,25 @@ def test_config_command_prints_the_params_in_force(tmp_path):
     (tmp_path / "params.yaml").write_text("profile: prolong-64k\npack: {seed: five}\n")
     proc = subprocess.run([sys.executable, "-m", "longctx.config"], cwd=tmp_path, capture_output=True, text=True)
     assert proc.returncode == 2 and "pack.seed" in proc.stderr
+
+
+def test_a_profile_extends_another(tmp_path, monkeypatch):
+    from longctx.config import loading
+
+    for name in ("tiny", "tiny-scratch"):
+        (tmp_path / f"{name}.yaml").write_text(loading.profile_path(name).read_text())
+    monkeypatch.setattr(loading, "PROFILES", tmp_path)
+    (tmp_path / "mine.yaml").write_text("extends: tiny-scratch\ntrain: {sft: {steps: 7}}\n")
+    cfg = config.resolve({"profile": "mine"})
+    # three levels: mine's key, tiny-scratch's base and tokenizer, tiny's everything else
+    assert cfg.train.sft.steps == 7 and cfg.train.sft.lr == config.resolve({"profile": "tiny"}).train.sft.lr
+    assert cfg.train.base.steps == 1250 and cfg.tokenize.tokenizer.path is None and cfg.train.pretrain.init == "base"
+    assert cfg.profile == "mine"
+    (tmp_path / "loop.yaml").write_text("extends: mine\n")
+    (tmp_path / "mine.yaml").write_text("extends: loop\n")
+    with pytest.raises(ConfigError, match=r"mine\.yaml: extends: loop -> mine -> loop is a cycle|"
+                                          r"loop\.yaml: extends: mine -> loop -> mine is a cycle"):
+        config.resolve({"profile": "mine"})
+    (tmp_path / "mine.yaml").write_text("extends: tinny\n")
+    with pytest.raises(ConfigError, match=r"mine\.yaml: extends: unknown profile 'tinny'"):
+        config.resolve({"profile": "mine"})

@@ -69,7 +69,7 @@ def test_failure_then_resume_and_mlflow_parent_runs(tmp_path, monkeypatch, harne
     parents = client.search_runs([exp.experiment_id], filter_string="tags.`longctx.stage` = 'pipeline'",
                                  order_by=["attributes.start_time DESC"])
     assert len(parents) == 2 and parents[0].info.status == "FINISHED"
-    assert parents[0].data.tags["longctx.profile"] == "tiny" and parents[0].data.tags["git.commit"]
+    assert parents[0].data.tags["longctx.profile"] == "tiny-scratch" and parents[0].data.tags["git.commit"]
     headline = {"results/base.tasks_at_256", "results/sft.tasks_at_512", "results/sft.ppl_at_512"}
     assert headline <= set(parents[0].data.metrics)
     # the comparison view: every checkpoint x task x length score as one table, and the family figure

@@ -163,12 +163,12 @@ def test_the_loss_without_gradients_is_the_same_number():
 
 
 def test_training_keys_are_validated():
-    cfg = config.resolve({"profile": "tiny", "train": {"base": {"activation_checkpointing": "selective",
+    cfg = config.resolve({"profile": "tiny-scratch", "train": {"base": {"activation_checkpointing": "selective",
                                                                 "compile": False, "offload": False}}})
     assert cfg.train.base.activation_checkpointing == "selective" and cfg.train.base.compile is False
     assert config.resolve({"profile": "prolong-64k"}).train.pretrain.stages[0].activation_checkpointing == "attention"
     with pytest.raises(ConfigError, match="activation_checkpointing"):
-        config.resolve({"profile": "tiny", "train": {"base": {"activation_checkpointing": True}}})
+        config.resolve({"profile": "tiny-scratch", "train": {"base": {"activation_checkpointing": True}}})
 
 
 def test_offload_without_a_gpu_is_refused():

@@ -1,5 +1,6 @@
 """Params from files: a named profile (src/longctx/profiles/<name>.yaml) with params.yaml's
-sections merged over it key by key (a null drops a key), validated before any work starts."""
+sections merged over it key by key (a null drops a key), validated before any work starts. A
+profile may start with `extends: <profile>`: its sections merge over that one's the same way."""
 
 from __future__ import annotations
 
@@ -12,14 +13,15 @@ from pydantic import ValidationError
 from ..errors import ConfigError
 from .schema import Params
 
+PROFILES = Path(str(resources.files("longctx") / "profiles"))
+
 
 def profile_path(name: str) -> Path:
-    return Path(str(resources.files("longctx") / "profiles" / f"{name}.yaml"))
+    return PROFILES / f"{name}.yaml"
 
 
 def available_profiles() -> list[str]:
-    folder = Path(str(resources.files("longctx") / "profiles"))
-    return sorted(p.stem for p in folder.glob("*.yaml"))
+    return sorted(p.stem for p in PROFILES.glob("*.yaml"))
 
 
 def merge(base: dict, over: dict) -> dict:
@@ -82,12 +84,26 @@ def resolve(overrides: dict, source: str = "params") -> Params:
         raise ConfigError(
             f"{source}: profile: unknown profile {profile!r}; choose one of {available_profiles()}"
         )
-    raw = merge(_read_yaml(profile_path(profile), f"profile {profile}"), overrides)
+    raw = merge(_profile(profile, ()), overrides)
     raw["profile"] = profile
     try:
         return Params.model_validate(raw)
     except ValidationError as e:
         raise ConfigError(f"{source}: " + _describe(e)) from None
+
+
+def _profile(name: str, seen: tuple[str, ...]) -> dict:
+    """A profile's sections, merged over those of the profile it extends."""
+    path = profile_path(name)
+    raw = _read_yaml(path, f"profile {name}")
+    parent = raw.pop("extends", None)
+    if parent is None:
+        return raw
+    if not isinstance(parent, str) or parent not in available_profiles():
+        raise ConfigError(f"{path}: extends: unknown profile {parent!r}; choose one of {available_profiles()}")
+    if parent in (*seen, name):
+        raise ConfigError(f"{path}: extends: {' -> '.join((*seen, name, parent))} is a cycle")
+    return merge(_profile(parent, (*seen, name)), raw)
 
 
 def load(path: str | Path = "params.yaml") -> Params:
