@@ -26,7 +26,13 @@
 #   bash bench/gpu_calls.sh llamas     the product's gpu-64k Llama run twice side by side: GPU 0 as the
 #                                      profile says (ProLong's theta x16 per stage), GPU 1 with
 #                                      `train.pretrain.factors: search` (LongRoPE2's factors in both stages)
-#   bash bench/gpu_calls.sh llama-1m   GPUs 0-1: the Transformer at 1,048,576 tokens, SP 2 (issue 34)
+#   bash bench/gpu_calls.sh llama-1m   GPUs 0-1: the Transformer at 1,048,576 tokens, SP 2 (issue 34): 16
+#                                      minutes (steps of 680 s and 248 s), longer than a device command, so
+#                                      started detached, where later calls (each within the machine's 30 s
+#                                      of idle) wait for it; the last copies the results out:
+#     setsid nohup bash -c 'LIMIT=1560 OUT=/tmp/l1m bash bench/gpu_calls.sh llama-1m; echo $? > /tmp/l1m.done' &
+#     for i in $(seq 112); do [ -f /tmp/l1m.done ] && break; sleep 5; done    # (each call, until done)
+#     cp /tmp/l1m/scale.tar.gz /tmp/l1m/device.log $OUT/
 # On 4 x H200 (nvidia-h200-x4, issue 36):
 #   bash bench/gpu_calls.sh x4         FoX (Pro)+ACP at 2,097,152 tokens with SP 4 alone (512K tokens a
 #                                      GPU, as fox-1m's that fit: halves, inputs on the host but the last
