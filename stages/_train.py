@@ -25,6 +25,8 @@ from longctx.train.parallel import Parallel, unshard, with_sequence_parallel
 from ._run import METRICS, PACKED, TOKENS
 
 MODELS = Path("models")
+PLOT_COLUMNS = ["step", "loss", "lr", "grad_norm", "tokens_per_s"]
+"""A training stage's loss curve (plots/train_<stage>.csv, a DVC plot)."""
 RUNS = Path("runs")  # checkpoints of unfinished runs: scratch, not a DVC output
 
 
@@ -101,8 +103,7 @@ def fit(name: str, stage: StageParams, model: Transformer, init: str, tracker, p
     if par.main:
         plot.parent.mkdir(parents=True, exist_ok=True)
         with plot.open("w", newline="") as fh:
-            writer = csv.DictWriter(fh, fieldnames=["step", "loss", "lr", "grad_norm", "tokens_per_s"],
-                                    extrasaction="ignore")
+            writer = csv.DictWriter(fh, fieldnames=PLOT_COLUMNS, extrasaction="ignore")
             writer.writeheader()
             writer.writerows(rows)
         tracker.metrics({f"final.{k}": v for k, v in summary.items()})

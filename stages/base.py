@@ -28,6 +28,8 @@ def run(cfg: Params, root: Path) -> None:
             write_json(tmp / "skipped.json", {"reason": f"train.pretrain.init is {cfg.train.pretrain.init}"})
         METRICS.mkdir(exist_ok=True)
         write_json(METRICS / "base.json", {"skipped": True})
+        PLOTS.mkdir(exist_ok=True)  # DVC wants every declared output: a curve with no steps
+        (PLOTS / "train_base.csv").write_text(",".join(_train.PLOT_COLUMNS) + "\n")
         print(f"base: skipped (pretrain starts from {cfg.train.pretrain.init})")
         return
     par = parallel.init()
