@@ -36,13 +36,12 @@ def test_the_tiny_run_retrieves_beyond_the_base_window(tmp_path):
         return sum(ev["tasks"][ckpt][t][str(length)] for t in RETRIEVAL) / len(RETRIEVAL)
 
     assert ev["windows"]["base"] == 512 and ev["windows"]["pretrain_stage2"] == 8192
-    assert retrieval("base", 512) >= 0.5, ev["tasks"]["base"]
+    assert retrieval("base", 512) >= 0.8, ev["tasks"]["base"]  # the pretrained base retrieves in its window
     assert retrieval("base", 2048) <= 0.3, ev["tasks"]["base"]
     assert retrieval("pretrain_stage2", 2048) >= retrieval("base", 2048) + 0.3, ev["tasks"]["pretrain_stage2"]
-    # SFT keeps what long-context training taught (ProLong's finding): all of it inside the base window,
-    # most at 2,048 (32 prompts: passkey 0.91, NIAH-single 0.72; it was 0.00 / 0.00)
-    assert all(ev["tasks"]["sft"][t]["512"] >= 0.8 for t in RETRIEVAL), ev["tasks"]["sft"]
-    assert retrieval("sft", 2048) >= max(0.6, retrieval("pretrain_stage2", 2048) - 0.25), ev["tasks"]
+    # SFT keeps what long-context training taught (ProLong's finding), inside the base window and at
+    # 2,048 (32 prompts: passkey / NIAH-single 0.97 / 1.00 at both; conversations alone left 0.00 at 2,048)
+    assert all(ev["tasks"]["sft"][t][n] >= 0.8 for t in RETRIEVAL for n in ("512", "2048")), ev["tasks"]["sft"]
     assert re.search(r"best at 2048 tokens: (pretrain_stage\d|sft)\b", done.stdout)
     assert "0.00*" in done.stdout  # the base model's scores at 2048 are marked beyond its window
     assert re.search(r"then:  http://127\.0\.0\.1:5000/#/experiments/\d+/runs\?workflowType=machine_learning$",
