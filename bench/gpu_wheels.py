@@ -20,6 +20,7 @@ import importlib.metadata as md
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 from packaging.requirements import Requirement
@@ -31,8 +32,12 @@ TARGET = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platfo
 """The GPU image's interpreter and platform (KINDS.md: Python 3.12 on x86-64 Linux), for markers."""
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
              "manylinux1_x86_64"]
-BUDGET = 56 << 20
-"""Bytes of wheels: the device carries 64 MiB with the working tree (~6 MiB) and the packed data."""
+CARRY = 64 << 20
+"""Bytes the device carries: the working tree (tracked and untracked files git does not ignore) and
+the wheels together."""
+SLIM = {"mlflow": ("mlflow/server/js/",)}
+"""Parts of a wheel no GPU run uses, left out of its copy: the MLflow UI's built JavaScript (7.3 MiB
+of mlflow's 11.5; a GPU machine is never browsed: its runs' stores come back and open here)."""
 
 
 def _applies(req: Requirement, extras: tuple[str, ...]) -> bool:
@@ -114,7 +119,33 @@ def fetch(wanted: dict[str, str], out: Path) -> list[Path]:
             if built.returncode:
                 raise SystemExit(f"{pin}: no wheel for Python {TARGET['python_version']} on x86-64 Linux, and "
                                  f"building one failed:\n{got.stderr[-800:]}\n{built.stderr[-800:]}")
+    for wheel in out.glob("*.whl"):
+        drop = SLIM.get(canonicalize_name(wheel.name.split("-")[0]))
+        if drop:
+            slim(wheel, drop)
     return sorted(out.glob("*.whl"))
+
+
+def slim(wheel: Path, drop: tuple[str, ...]) -> None:
+    """Rewrite `wheel` in place without the files under the `drop` prefixes (and their RECORD lines,
+    so that what it lists is what it holds)."""
+    tmp = wheel.with_suffix(".slim")
+    with zipfile.ZipFile(wheel) as zin, zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as zout:
+        for info in zin.infolist():
+            if info.filename.startswith(drop):
+                continue
+            data = zin.read(info)
+            if info.filename.endswith(".dist-info/RECORD"):
+                data = b"".join(line + b"\n" for line in data.splitlines() if not line.decode().startswith(drop))
+            zout.writestr(info, data)
+    tmp.replace(wheel)
+
+
+def tree_bytes(repo: Path) -> int:
+    """Bytes of the working tree a device call sends (tracked and untracked-not-ignored files)."""
+    names = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=repo, capture_output=True,
+                           text=True, check=True).stdout.split("\0")
+    return sum((repo / n).stat().st_size for n in names if n and (repo / n).is_file())
 
 
 def check_size(wheels: list[Path], budget: int) -> int:
@@ -136,7 +167,7 @@ def main() -> None:
     ap.add_argument("--without", nargs="*", default=[], help="top-level requirements to leave out")
     ap.add_argument("--imports", type=Path, help="top-level modules a run imported (bench/import_audit): "
                     "only the distributions they come from")
-    ap.add_argument("--budget-mib", type=float, default=BUDGET / 2**20)
+    ap.add_argument("--budget-mib", type=float, help="MiB the wheels may take (default: 64 less the working tree)")
     args = ap.parse_args()
     if args.freeze:
         for dist in sorted(md.distributions(), key=lambda d: canonicalize_name(d.metadata["Name"])):
@@ -156,7 +187,8 @@ def main() -> None:
     partial = args.out.with_name(args.out.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     try:
-        total = check_size(fetch(wanted, partial), int(args.budget_mib * 2**20))
+        budget = CARRY - tree_bytes(Path.cwd()) if args.budget_mib is None else int(args.budget_mib * 2**20)
+        total = check_size(fetch(wanted, partial), budget)
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)  # nothing half-made is left where the next call looks
         raise

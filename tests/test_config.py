@@ -141,7 +141,8 @@ def test_a_profile_extends_another(tmp_path, monkeypatch):
     cfg = config.resolve({"profile": "mine"})
     # three levels: mine's key, tiny-scratch's base and tokenizer, tiny's everything else
     assert cfg.train.sft.steps == 7 and cfg.train.sft.lr == config.resolve({"profile": "tiny"}).train.sft.lr
-    assert cfg.train.base.steps == 1250 and cfg.tokenize.tokenizer.path is None and cfg.train.pretrain.init == "base"
+    assert cfg.train.base == config.resolve({"profile": "tiny-scratch"}).train.base
+    assert cfg.tokenize.tokenizer.path is None and cfg.train.pretrain.init == "base"
     assert cfg.profile == "mine"
     (tmp_path / "loop.yaml").write_text("extends: mine\n")
     (tmp_path / "mine.yaml").write_text("extends: loop\n")

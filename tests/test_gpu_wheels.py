@@ -70,3 +70,30 @@ def test_imports_keep_only_what_a_run_imported(tmp_path):
     log.write_text("")
     with pytest.raises(SystemExit, match="no module names"):
         gpu_wheels.imported(wanted, log)
+
+
+def test_slimming_drops_the_parts_and_their_record_lines(tmp_path):
+    import zipfile
+
+    wheel = tmp_path / "mlflow-3.17.2-py3-none-any.whl"
+    record = ("mlflow/__init__.py,sha256=a,1\nmlflow/server/js/build/index.js,sha256=b,2\n"
+              "mlflow-3.17.2.dist-info/RECORD,,\n")
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr("mlflow/__init__.py", "x = 1\n")
+        z.writestr("mlflow/server/js/build/index.js", "ui" * 1000)
+        z.writestr("mlflow/server/__init__.py", "")
+        z.writestr("mlflow-3.17.2.dist-info/RECORD", record)
+    gpu_wheels.slim(wheel, gpu_wheels.SLIM["mlflow"])
+    with zipfile.ZipFile(wheel) as z:
+        assert z.namelist() == ["mlflow/__init__.py", "mlflow/server/__init__.py", "mlflow-3.17.2.dist-info/RECORD"]
+        assert z.read("mlflow-3.17.2.dist-info/RECORD").decode() == (
+            "mlflow/__init__.py,sha256=a,1\nmlflow-3.17.2.dist-info/RECORD,,\n")
+
+
+def test_the_budget_is_what_the_tree_leaves(tmp_path):
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    (tmp_path / ".gitignore").write_text("/.whl/\n")
+    (tmp_path / "new.txt").write_bytes(b"n" * 1000)  # untracked, not ignored: it travels
+    (tmp_path / ".whl").mkdir()
+    (tmp_path / ".whl" / "a.whl").write_bytes(b"w" * 5000)  # ignored: carried apart
+    assert gpu_wheels.tree_bytes(tmp_path) == 1000 + len("/.whl/\n")
