@@ -3,7 +3,7 @@
 # GPU, at the Llama-3-8B shape (carry .whl: pydantic). JSON (written after every setting) and one
 # log per run go to $OUT (or bench/results). Each run is cut at $LIMIT seconds (default 300) so
 # one that hangs cannot take the others' time.
-#   bash bench/gpu_scale.sh [fsdp] [unsorted] [sp] [longest] [steady] [fit] [scaling] [millions]
+#   bash bench/gpu_scale.sh [fsdp] [unsorted] [sp] [longest] [steady] [fit] [scaling] [millions] [nooffload]
 #   (default: fsdp unsorted sp; GPUS=N: the first N GPUs only, so one machine gives both ends of a
 #   scaling ratio)
 # fsdp:    64K tokens per sequence, FSDP2 over all GPUs, 2 sequences per rank per step dealt by
@@ -26,6 +26,8 @@
 #          65,536-token tiles, $RECOMPUTE recomputation (default halves: a block's backward in two
 #          parts), the block inputs in host memory but for the last $KEEP blocks (default 0);
 #          STATES=host: FSDP2's CPU offload of the weights and optimizer state too (one GPU's must)
+# nooffload: $MODELS at $LONG_SEQ as millions, nothing in host memory (a step of the bisection for the
+#          longest that trains without offload: FoX (Pro)+ACP on 2 x H200 trained 507,904, not 524,288)
 set -uo pipefail
 out=${OUT:-bench/results}
 mkdir -p "$out"
@@ -66,7 +68,13 @@ for part in ${*:-fsdp unsorted sp}; do
                 scale -${m%sp}sp-$((long / 1024))k-offload-$rc-keep${KEEP:-0}${STATES:+-states} "$m" --sp-seq "$long" --recompute "$rc" --mlp-tile 65536 \
                   --offload-activations --offload-keep-last "${KEEP:-0}" ${STATES:+--offload} --warmup 0
               done ;;
-    *) echo "unknown part $part (fsdp, unsorted, sp, longest, steady, fit, scaling, millions)"; status=1 ;;
+    nooffload) long=${LONG_SEQ:-507904}
+               rc=${RECOMPUTE:-halves}
+               for m in ${MODELS:-fox-sp sp}; do
+                 scale -${m%sp}sp-$((long / 1024))k-$rc-nooffload "$m" --sp-seq "$long" --recompute "$rc" --mlp-tile 65536 \
+                   --warmup 0
+               done ;;
+    *) echo "unknown part $part (fsdp, unsorted, sp, longest, steady, fit, scaling, millions, nooffload)"; status=1 ;;
   esac
 done
 exit $status
