@@ -2,7 +2,7 @@
 the real profiles start from Llama-3-8B): the tiny-scratch profile's corpora, tokenize, pack and
 base stages in a scratch folder, then the base model, its tokenizer and provenance.json (what made
 it, with the recipe's params, which tests/test_tiny_base.py holds equal to tiny-scratch's) copied
-into place. ~9 minutes on 2 cores.
+into place. ~16 minutes on 2 cores (2,500 base steps).
 
     python bench/tiny_base.py                                # replaces checkpoints/tiny-base
     python bench/tiny_base.py --params my.yaml --out /tmp/b  # other overrides, elsewhere
