@@ -90,7 +90,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=REPO / "checkpoints" / "tiny-base")
     ap.add_argument("--work", type=Path, help="scratch folder for the stages (default: a temporary one)")
     args = ap.parse_args(argv)
-    overrides = yaml.safe_load(args.params.read_text()) if args.params else {"profile": "tiny-scratch"}
+    try:
+        overrides = yaml.safe_load(args.params.read_text()) if args.params else {"profile": "tiny-scratch"}
+    except (OSError, yaml.YAMLError) as e:
+        raise SystemExit(f"tiny_base: --params {args.params}: {e}") from None
+    if not isinstance(overrides, dict):
+        raise SystemExit(f"tiny_base: --params {args.params}: must be a mapping of sections")
     try:
         if args.work is not None:
             p = make(overrides, args.out, args.work)

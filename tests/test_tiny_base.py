@@ -48,6 +48,11 @@ def test_the_script_makes_a_base_and_leaves_nothing_on_failure(tmp_path):
     with pytest.raises(SystemExit, match="train.base is not set"):
         tiny_base.main(["--out", str(out), "--work", str(tmp_path / "w2"), "--params", str(_params(tmp_path))])
     assert (out / "model.safetensors").read_bytes() == before and not (tmp_path / "w2").exists()
+    with pytest.raises(SystemExit, match=r"--params .*missing\.yaml: .*No such file"):
+        tiny_base.main(["--out", str(out), "--params", str(tmp_path / "missing.yaml")])
+    (tmp_path / "list.yaml").write_text("- profile\n")
+    with pytest.raises(SystemExit, match="must be a mapping"):
+        tiny_base.main(["--out", str(out), "--params", str(tmp_path / "list.yaml")])
 
 
 def _params(folder):
