@@ -46,6 +46,15 @@ scale() {  # scale TAG SETTING [scale.py args]
   status=$(( status || PIPESTATUS[0] ))
 }
 
+long_rows() {  # long_rows LENGTH TAG [scale.py args]: millions' and nooffload's rows, one per model of $MODELS
+  local long=$1 tag=$2 m
+  shift 2
+  for m in ${MODELS:-fox-sp sp}; do
+    scale -${m%sp}sp-$((long / 1024))k-$tag "$m" --sp-seq "$long" --recompute "${RECOMPUTE:-halves}" --mlp-tile 65536 \
+      --warmup 0 "$@"
+  done
+}
+
 for part in ${*:-fsdp unsorted sp}; do
   case $part in
     fsdp) scale -64k-full fsdp --accum 2 --recompute full
@@ -62,18 +71,9 @@ for part in ${*:-fsdp unsorted sp}; do
          scale -sp-fit-$((fit / 1024))k sp --sp-seq "$fit" --recompute full --fit
          scale -sp-fit-offload-$((off / 1024))k sp --sp-seq "$off" --recompute full --offload --fit ;;
     scaling) scale -64k-full-steady-${gpus}gpu fsdp --accum 2 --recompute full --steps 3 --warmup 0 ;;
-    millions) long=${LONG_SEQ:-1048576}
-              rc=${RECOMPUTE:-halves}
-              for m in ${MODELS:-fox-sp sp}; do
-                scale -${m%sp}sp-$((long / 1024))k-offload-$rc-keep${KEEP:-0}${STATES:+-states} "$m" --sp-seq "$long" --recompute "$rc" --mlp-tile 65536 \
-                  --offload-activations --offload-keep-last "${KEEP:-0}" ${STATES:+--offload} --warmup 0
-              done ;;
-    nooffload) long=${LONG_SEQ:-507904}
-               rc=${RECOMPUTE:-halves}
-               for m in ${MODELS:-fox-sp sp}; do
-                 scale -${m%sp}sp-$((long / 1024))k-$rc-nooffload "$m" --sp-seq "$long" --recompute "$rc" --mlp-tile 65536 \
-                   --warmup 0
-               done ;;
+    millions) long_rows "${LONG_SEQ:-1048576}" offload-"${RECOMPUTE:-halves}"-keep${KEEP:-0}${STATES:+-states} \
+                --offload-activations --offload-keep-last "${KEEP:-0}" ${STATES:+--offload} ;;
+    nooffload) long_rows "${LONG_SEQ:-507904}" "${RECOMPUTE:-halves}"-nooffload ;;
     *) echo "unknown part $part (fsdp, unsorted, sp, longest, steady, fit, scaling, millions, nooffload)"; status=1 ;;
   esac
 done
