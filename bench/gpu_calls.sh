@@ -33,6 +33,11 @@
 #     setsid nohup bash -c 'LIMIT=1560 OUT=/tmp/l1m bash bench/gpu_calls.sh llama-1m; echo $? > /tmp/l1m.done' &
 #     for i in $(seq 112); do [ -f /tmp/l1m.done ] && break; sleep 5; done    # (each call, until done)
 #     cp /tmp/l1m/scale.tar.gz /tmp/l1m/device.log $OUT/
+#   bash bench/gpu_calls.sh llama-one  (detached, as llama-1m: ~20 minutes) GPU 0: the Transformer at 524,288
+#                                      tokens on one GPU (one-512k's settings, 14 inputs kept: its block's
+#                                      backward holds ~2 inputs more than FoX's); GPU 1 beside it:
+#                                      bench/attention_draws.py, the 1M rows' attention over 12 draws; then
+#                                      GPUs 0-1: FoX (Pro)+ACP at 1,114,112 with host offload (beyond 1M)
 # On 4 x H200 (nvidia-h200-x4, issue 36):
 #   bash bench/gpu_calls.sh x4         FoX (Pro)+ACP at 2,097,152 tokens with SP 4 alone (512K tokens a
 #                                      GPU, as fox-1m's that fit: halves, inputs on the host but the last
@@ -43,7 +48,7 @@
 # What comes back (8 files at most): scale.tar.gz (scale.py's JSON and logs), tests*.log,
 # pipeline-*.tar.gz (bench/gpu_pipeline.sh's files), device.log. LIMIT: seconds for the whole script.
 set -uo pipefail
-call=${1:?give fox-one, one-512k, fox-1m, products, llamas, llama-1m, x4 or x4-2}
+call=${1:?give fox-one, one-512k, fox-1m, products, llamas, llama-1m, llama-one, x4 or x4-2}
 limit=${LIMIT:-585}
 begin=$(date +%s)
 out=$(realpath -m "${OUT:-bench/results/x4}")
@@ -91,10 +96,18 @@ case $call in
           SET=train.pretrain.factors=search product llama 1 "$(left 20)" llama-factors &
           wait ;;
   llama-1m) GPUS=2 LIMIT=$(left 15) LONG_SEQ=1048576 KEEP=6 MODELS=sp scale millions || status=1 ;;
+  llama-one) (CUDA_VISIBLE_DEVICES=1 timeout "$(left 500)" python3 bench/attention_draws.py --seq 1048576 --sp 2 \
+                --draws 12 --steps bench/results/scale-2gpu-*sp-1024k-offload-halves-keep6-*.json --out "$out/scale" \
+                > "$out/draws.log" 2>&1; echo "exit $?" >> "$out/draws.log") &
+             CUDA_VISIBLE_DEVICES=0 GPUS=1 STATES=host LIMIT=$(left 450) LONG_SEQ=524288 KEEP=14 MODELS=sp \
+               scale millions || status=1
+             wait
+             [ "$(left)" -gt 420 ] && { GPUS=2 LIMIT=$(left 15) LONG_SEQ=1114112 KEEP=6 MODELS=fox-sp scale millions \
+                                          || status=1; } ;;
   x4) LIMIT=$(left 15) LONG_SEQ=2097152 KEEP=8 MODELS=fox-sp scale millions || status=1 ;;
   x4-2) LIMIT=$(( $(left) / 2 )) scale scaling || status=1
         GPUS=2 LIMIT=$(left 10) scale scaling || status=1 ;;
-  *) echo "gpu_calls: give fox-one, one-512k, fox-1m, products, llamas, llama-1m, x4 or x4-2" >&2; exit 2 ;;
+  *) echo "gpu_calls: give fox-one, one-512k, fox-1m, products, llamas, llama-1m, llama-one, x4 or x4-2" >&2; exit 2 ;;
 esac
 tar -C "$out" -czf "$out/scale.tar.gz" scale && rm -rf "$out/scale"
 tail -40 "$out/device.log"

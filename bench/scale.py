@@ -114,7 +114,8 @@ def run_setting(name: str, args, base_par) -> dict:
                        **peak_memory(par))
         else:
             row.update(measure(run, batches, args.steps, args.warmup,
-                               log=functools.partial(print, flush=True) if par.main else None))
+                               log=functools.partial(print, flush=True) if par.main else None),
+                       timed_draws=list(range(args.warmup + args.steps, args.warmup + 2 * args.steps)))
         if args.profile and par.device.type == "cuda":
             row["profile_by_rank"] = profiled(run, batches(10_000), par)
     except torch.OutOfMemoryError as e:

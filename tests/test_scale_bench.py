@@ -39,6 +39,7 @@ def test_two_ranks_report_every_setting_and_match_one_process(tmp_path):
     assert rows["sp"]["sp"] == 2 and rows["fsdp"]["sp"] == 1
     for r in rows.values():
         assert r["tokens_per_s_per_gpu"] > 0 and len(r["losses"]) == 1 + 2 * 1  # warm-up, isolated, queued
+        assert r["timed_draws"] == [2]  # (the queued step's documents: bench/attention_draws.py reads it)
     assert 0.0 <= rows["fox-fsdp"]["acp_pruned_fraction"] < 1.0
     assert rows["sp"]["losses"] == pytest.approx(one["rows"][0]["losses"], rel=1e-5)
     assert one["rows"][0]["mlp_tile"] == 300 and rows["sp"]["mlp_tile"] is None

@@ -1,0 +1,74 @@
+"""bench/attention_draws.py on the CPU at the tiny shape: each draw's documents are the ones
+bench/scale.py's step of that index trains on, FoX is timed per rank, and the estimated steps
+swap exactly the measured step's attention for each draw's."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+SEQ, LAYERS = 4096, 2  # (the tiny shape has 2 layers)
+
+
+def run(tmp_path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "bench/attention_draws.py", "--shape", "tiny", "--seq", str(SEQ),
+                           "--sp", "2", "--draws", "3", "--out", str(tmp_path / "out"), *extra],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+def scale_json(tmp_path, name: str, rows: list[dict]) -> str:
+    path = tmp_path / name
+    path.write_text(json.dumps({"shape": "tiny", "world": 2, "rows": rows}))
+    return str(path)
+
+
+def row(model: str, step: float, first: float, seq: int = SEQ, **extra) -> dict:
+    return {"model": model, "seq": seq, "sp": 2, "step_s": step, "first_step_s": first, "losses": [1.0, 1.0], **extra}
+
+
+def test_draws_are_scales_steps_and_estimates_swap_attention(tmp_path):
+    sys.path.insert(0, str(REPO / "bench"))
+    from scale import documents
+
+    steps = scale_json(tmp_path, "s.json", [row("Transformer", 10.0, 30.0), row("FoX (Pro)", 4.0, 20.0),
+                                            row("FoX (Pro)", 99.0, 99.0, seq=2 * SEQ)])  # (another length: not read)
+    done = run(tmp_path, "--steps", steps)
+    assert done.returncode == 0, done.stderr[-3000:]
+    res = json.loads((tmp_path / "out" / f"attention_draws-cpu-{SEQ}.json").read_text())
+    rows = res["rows"]
+    assert [r["seed"] for r in rows] == [0, 1000, 2000]
+    for r in rows:
+        bounds = documents(SEQ, r["seed"])
+        lengths = (bounds[1:] - bounds[:-1]).double()
+        assert r["documents"] == len(lengths) and r["density"] == pytest.approx(float((lengths**2).sum()) / SEQ**2,
+                                                                                  abs=1e-4)
+        assert len(r["fox_rank_seconds"]) == 2 and r["seconds"]["FoX (Pro)"] == max(r["fox_rank_seconds"])
+        assert r["seconds"]["Transformer"] > 0
+    est = res["estimates"]
+    for model, measured in (("Transformer", 10.0), ("FoX (Pro)", 4.0)):
+        a = [r["seconds"][model] for r in rows]
+        e = est[model]["estimated_step_s"]
+        assert e[1] == pytest.approx(measured, abs=0.01)  # draw 1 is the one the millions rows timed
+        for i in (0, 2):
+            assert e[i] - e[1] == pytest.approx(LAYERS * (a[i] - a[1]), abs=0.02)
+        assert est[model]["first_step_beyond_estimate_s"] == pytest.approx(est[model]["first_step_s"] - e[0], abs=0.01)
+    total = [sum(est[m]["estimated_step_s"]) for m in ("Transformer", "FoX (Pro)")]
+    assert est["ratio_over_draws"] == pytest.approx(total[0] / total[1], abs=2e-3)
+    assert est["ratio_at_timed_draw"] == 2.5
+    assert "over draws 0..2" in done.stdout
+
+
+def test_rows_that_do_not_say_their_draws_and_unreadable_files_are_refused(tmp_path):
+    vague = row("Transformer", 10.0, 30.0)
+    vague["losses"] = [1.0, 1.0, 1.0]  # (a warm-up: which draw was timed is not known)
+    done = run(tmp_path, "--steps", scale_json(tmp_path, "v.json", [vague]))
+    assert done.returncode != 0 and "Transformer" in done.stderr and "draws" in done.stderr
+    missing = tmp_path / "nothing.json"
+    done = run(tmp_path, "--steps", str(missing))
+    assert done.returncode != 0 and str(missing) in done.stderr
+    assert not (tmp_path / "out").exists()  # (nothing written by a refused run)
