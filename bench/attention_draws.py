@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 import torch
-from scale import documents
+from scale import density, documents
 
 from longctx.model import attention
 from longctx.model.fox import Acp
@@ -39,11 +39,6 @@ from longctx.perf import write_result
 from longctx.train.models import preset
 
 MODELS = {"Transformer": "llama", "FoX (Pro)": "fox"}
-
-
-def density(bounds: torch.Tensor) -> float:
-    lengths = (bounds[1:] - bounds[:-1]).double()
-    return float((lengths**2).sum() / float(bounds[-1]) ** 2)
 
 
 class Layer:
@@ -172,7 +167,7 @@ def main() -> None:
         fox = [layers["FoX (Pro)"].time(bounds, r) for r in range(args.sp)]
         kept = [k for _, k in fox if k is not None]
         row = {"draw": i, "seed": 1000 * i, "documents": len(bounds) - 1,
-               "longest": int((bounds[1:] - bounds[:-1]).max()), "density": round(density(bounds), 4),
+               "longest": int((bounds[1:] - bounds[:-1]).max()), "density": round(density(args.seq, [i], 1), 4),
                "seconds": {"Transformer": round(t, 4), "FoX (Pro)": round(max(s for s, _ in fox), 4)},
                "fox_rank_seconds": [round(s, 4) for s, _ in fox],
                "fox_kept_fraction": round(sum(kept) / len(kept), 4) if kept else None}

@@ -33,6 +33,8 @@
 #     setsid nohup bash -c 'LIMIT=1560 OUT=/tmp/l1m bash bench/gpu_calls.sh llama-1m; echo $? > /tmp/l1m.done' &
 #     for i in $(seq 112); do [ -f /tmp/l1m.done ] && break; sleep 5; done    # (each call, until done)
 #     cp /tmp/l1m/scale.tar.gz /tmp/l1m/device.log $OUT/
+#                                      (the next call must follow a reply at once: after 30 s idle the machine
+#                                      goes, and the detached run with it; llama-one's first run was lost so)
 #   bash bench/gpu_calls.sh llama-one  (detached, as llama-1m: ~20 minutes) GPU 0: the Transformer at 524,288
 #                                      tokens on one GPU (one-512k's settings, 14 inputs kept: its block's
 #                                      backward holds ~2 inputs more than FoX's); GPU 1 beside it:

@@ -26,9 +26,11 @@ gates allow, which is less than trained gates would.
 Reported per setting: tokens/s/GPU, MFU of the executed FLOPs (over the datasheet peak and over the
 measured bf16 matmul rate; ACP's skipped tiles not counted, their dense-equivalent rate apart), peak
 memory per GPU and of the host process, the steps' losses, compile time and graphs, and for FoX with
-ACP the pruned tile fraction. Compare runs at 1, 2, 4, 8 GPUs (the JSON holds the world size)
-for scaling efficiency. ProLong's anchor (Table 15): 8B at 64K on 8 x H100 with FSDP, 2770
-tokens/s/GPU (full attention) and 3095 (variable-length attention + minibatch reordering).
+ACP the pruned tile fraction; the timed steps' draws and their density (the documents' squared
+lengths over seq^2: the Transformer's attention follows it, bench/attention_draws.py). Compare runs
+at 1, 2, 4, 8 GPUs (the JSON holds the world size) for scaling efficiency. ProLong's anchor
+(Table 15): 8B at 64K on 8 x H100 with FSDP, 2770 tokens/s/GPU (full attention) and 3095
+(variable-length attention + minibatch reordering).
 """
 
 from __future__ import annotations
@@ -62,12 +64,24 @@ def documents(seq: int, seed: int, shortest: int = 1024) -> torch.Tensor:
     return torch.tensor(bounds, dtype=torch.int32)
 
 
+def step_seeds(step: int, sequences: int) -> list[int]:
+    """The seeds of one step's sequences (all data-parallel replicas'): its draw of documents."""
+    return [1_000 * step + j for j in range(sequences)]
+
+
+def density(seq: int, steps: list[int], sequences: int) -> float:
+    """What the steps' attention costs against one document of seq tokens: the mean over their
+    sequences of the documents' summed squared lengths over seq^2 (a step's cost follows it)."""
+    seeds = [s for step in steps for s in step_seeds(step, sequences)]
+    return sum(attention_cost(documents(seq, s)) for s in seeds) / len(seeds) / seq**2
+
+
 def step_batches(seq: int, vocab: int, step: int, accum: int, par: Parallel, reorder: bool) -> list[Batch]:
     """This rank's micro-batches of one step, one sequence each: `accum` per data-parallel replica
     (the same on every rank of a sequence-parallel group), dealt as the training loop deals them
     (`schedule`: sorted by attention cost, so the ranks' side-by-side micro-batches cost about the
     same, ProLong's reordering) or, without `reorder`, in the order generated."""
-    seeds = [1_000 * step + j for j in range(accum * par.dp)]
+    seeds = step_seeds(step, accum * par.dp)
     bounds = {s: documents(seq, s) for s in seeds}
     if reorder:
         costs = [attention_cost(bounds[s]) for s in seeds]
@@ -113,9 +127,10 @@ def run_setting(name: str, args, base_par) -> dict:
             row.update(fits=True, first_step_s=round(seconds, 2), second_step_s=round(second, 2), losses=[loss, loss2],
                        **peak_memory(par))
         else:
+            timed = list(range(args.warmup + args.steps, args.warmup + 2 * args.steps))
             row.update(measure(run, batches, args.steps, args.warmup,
                                log=functools.partial(print, flush=True) if par.main else None),
-                       timed_draws=list(range(args.warmup + args.steps, args.warmup + 2 * args.steps)))
+                       timed_draws=timed, timed_density=round(density(seq, timed, args.accum * par.dp), 4))
         if args.profile and par.device.type == "cuda":
             row["profile_by_rank"] = profiled(run, batches(10_000), par)
     except torch.OutOfMemoryError as e:
@@ -234,14 +249,14 @@ def main() -> None:
     if par.main:
         print(f"\n{args.shape}, {par.world} x {torch.cuda.get_device_name() if gpu else 'CPU'}")
         print(f"{'setting':<9} {'seq':>7} {'sp':>3} {'tokens/s/GPU':>13} {'MFU':>6} {'MFU/790':>7} {'peak GiB':>9} "
-              f"{'host GiB':>8} {'pruned':>7} {'dense TF/s':>10} {'1st s':>6}")
+              f"{'host GiB':>8} {'pruned':>7} {'dense TF/s':>10} {'1st s':>6} {'density':>7}")
         for r in rows:
             speed = r.get("tokens_per_s_per_gpu", r.get("error", "fits" if r.get("fits") else "-"))
             print(f"{r['setting']:<9} {r['seq']:>7} {r['sp']:>3} {speed:>13} {r.get('mfu', '-'):>6} "
                   f"{r.get('mfu_matmul_ceiling', '-'):>7} {r.get('peak_memory_gib', '-'):>9} "
                   f"{r.get('peak_host_memory_gib', '-'):>8} "
                   f"{r.get('acp_pruned_fraction', '-'):>7} {r.get('dense_equivalent_tflops', '-'):>10} "
-                  f"{r.get('first_step_s', '-'):>6}")
+                  f"{r.get('first_step_s', '-'):>6} {r.get('timed_density', '-'):>7}")
         print(f"ProLong Table 15 (8B, 64K, 8 x H100, FSDP): {PROLONG_8B_64K} tokens/s/GPU")
     close()
 

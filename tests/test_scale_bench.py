@@ -40,13 +40,20 @@ def test_two_ranks_report_every_setting_and_match_one_process(tmp_path):
     for r in rows.values():
         assert r["tokens_per_s_per_gpu"] > 0 and len(r["losses"]) == 1 + 2 * 1  # warm-up, isolated, queued
         assert r["timed_draws"] == [2]  # (the queued step's documents: bench/attention_draws.py reads it)
+    sys.path.insert(0, str(REPO / "bench"))
+    from scale import density, documents
+
+    # the timed step's documents against one of 2,048 tokens: fsdp's 2 ranks x 2 sequences, sp's 2
+    assert rows["sp"]["timed_density"] == pytest.approx(density(2048, [2], 2), abs=1e-4)
+    assert rows["fsdp"]["timed_density"] == pytest.approx(density(1024, [2], 4), abs=1e-4)
+    lengths = [(b[1:] - b[:-1]).double() for b in (documents(2048, 2000), documents(2048, 2001))]
+    assert density(2048, [2], 2) == pytest.approx(sum(float((x**2).sum()) for x in lengths) / 2 / 2048**2)
     assert 0.0 <= rows["fox-fsdp"]["acp_pruned_fraction"] < 1.0
     assert rows["sp"]["losses"] == pytest.approx(one["rows"][0]["losses"], rel=1e-5)
     assert one["rows"][0]["mlp_tile"] == 300 and rows["sp"]["mlp_tile"] is None
     assert all("peak_host_memory_gib" in r for r in [*rows.values(), *one["rows"]])  # (the process's lifetime peak)
 
     # scaling efficiency across the two runs: sp at 1 and 2 processes, the smaller as the base
-    sys.path.insert(0, str(REPO / "bench"))
     from scale import scaling
 
     eff = {r["world"]: r for r in scaling([one, two]) if r["setting"] == "sp"}
