@@ -110,16 +110,33 @@ def timed_draws(row: dict) -> list[int]:
                      "(rerun it, or give rows of --warmup 0 --steps 1)")
 
 
-def estimates(rows: list[dict], steps: list[dict], layers: int) -> dict:
+def measured(paths: list[Path], shape: str, seq: int, sp: int, draws: int) -> dict[str, dict]:
+    """scale.py's row of each model at this shape, length and SP in the JSON files `paths`,
+    checked before any timing: one per model, its timed draws among those timed here."""
+    rows: dict[str, dict] = {}
+    for path in paths:
+        try:
+            res = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"--steps {path}: {e}") from None
+        for r in res.get("rows", []):
+            if res.get("shape") != shape or r.get("seq") != seq or r.get("sp") != sp or "step_s" not in r:
+                continue
+            if r["model"] in rows:
+                raise SystemExit(f"--steps: more than one row of {r['model']} at {seq} tokens, SP {sp} ({path})")
+            if max(timed_draws(r)) >= draws:
+                raise SystemExit(f"--steps {path}: {r['model']} timed draws {timed_draws(r)}; --draws {draws} "
+                                 "does not reach them")
+            rows[r["model"]] = r
+    return rows
+
+
+def estimates(rows: list[dict], steps: dict[str, dict], layers: int) -> dict:
     """Per model with a measured row: each draw's estimated step (the measured step, its timed
-    draws' attention swapped for this draw's), and what the first step spent beyond its estimate."""
+    draws' attention swapped for this draw's), and what the first step (draw 0) spent beyond its
+    estimate."""
     out = {}
-    for model in MODELS:
-        (row, *more) = [r for r in steps if r["model"] == model] or [None]
-        if row is None:
-            continue
-        if more:
-            raise SystemExit(f"--steps: more than one row of {model} at this length")
+    for model, row in steps.items():
         a = [r["seconds"][model] for r in rows]
         timed = timed_draws(row)
         base = row["step_s"] - layers * sum(a[i] for i in timed) / len(timed)
@@ -144,16 +161,7 @@ def main() -> None:
                     "shape, length and SP: estimate every draw's step")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     args = ap.parse_args()
-    steps = []
-    for path in args.steps:
-        try:
-            res = json.loads(path.read_text())
-        except (OSError, ValueError) as e:
-            raise SystemExit(f"--steps {path}: {e}") from None
-        steps += [r for r in res.get("rows", []) if r.get("seq") == args.seq and r.get("sp") == args.sp
-                  and res.get("shape") == args.shape and "step_s" in r]
-    for r in steps:  # (refused before the timing, not after)
-        timed_draws(r)
+    steps = measured(args.steps, args.shape, args.seq, args.sp, args.draws)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     layers = {m: Layer(args.shape, arch, args.seq, args.sp, device) for m, arch in MODELS.items()}
     draws = [documents(args.seq, 1000 * i) for i in range(args.draws)]

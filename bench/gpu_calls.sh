@@ -37,9 +37,10 @@
 #                                      goes, and the detached run with it; llama-one's first run was lost so)
 #   bash bench/gpu_calls.sh llama-one  (detached, as llama-1m: ~20 minutes) GPU 0: the Transformer at 524,288
 #                                      tokens on one GPU (one-512k's settings, 14 inputs kept: its block's
-#                                      backward holds ~2 inputs more than FoX's); GPU 1 beside it:
-#                                      bench/attention_draws.py, the 1M rows' attention over 12 draws; then
-#                                      GPUs 0-1: FoX (Pro)+ACP at 1,114,112 with host offload (beyond 1M)
+#                                      backward holds ~2 inputs more than FoX's; its first step took 445.9 s
+#                                      at 120.7 GiB, 204 GiB of the host in use); then GPUs 0-1: FoX
+#                                      (Pro)+ACP at 1,114,112 with host offload (beyond 1M). (The first run
+#                                      had bench/attention_draws.py on GPU 1 beside it: 6 minutes, done.)
 # On 4 x H200 (nvidia-h200-x4, issue 36):
 #   bash bench/gpu_calls.sh x4         FoX (Pro)+ACP at 2,097,152 tokens with SP 4 alone (512K tokens a
 #                                      GPU, as fox-1m's that fit: halves, inputs on the host but the last
@@ -98,12 +99,8 @@ case $call in
           SET=train.pretrain.factors=search product llama 1 "$(left 20)" llama-factors &
           wait ;;
   llama-1m) GPUS=2 LIMIT=$(left 15) LONG_SEQ=1048576 KEEP=6 MODELS=sp scale millions || status=1 ;;
-  llama-one) (CUDA_VISIBLE_DEVICES=1 timeout "$(left 500)" python3 bench/attention_draws.py --seq 1048576 --sp 2 \
-                --draws 12 --steps bench/results/scale-2gpu-*sp-1024k-offload-halves-keep6-*.json --out "$out/scale" \
-                > "$out/draws.log" 2>&1; echo "exit $?" >> "$out/draws.log") &
-             CUDA_VISIBLE_DEVICES=0 GPUS=1 STATES=host LIMIT=$(left 450) LONG_SEQ=524288 KEEP=14 MODELS=sp \
+  llama-one) CUDA_VISIBLE_DEVICES=0 GPUS=1 STATES=host LIMIT=$(left 450) LONG_SEQ=524288 KEEP=14 MODELS=sp \
                scale millions || status=1
-             wait
              [ "$(left)" -gt 420 ] && { GPUS=2 LIMIT=$(left 15) LONG_SEQ=1114112 KEEP=6 MODELS=fox-sp scale millions \
                                           || status=1; } ;;
   x4) LIMIT=$(left 15) LONG_SEQ=2097152 KEEP=8 MODELS=fox-sp scale millions || status=1 ;;

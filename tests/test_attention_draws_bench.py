@@ -68,6 +68,10 @@ def test_rows_that_do_not_say_their_draws_and_unreadable_files_are_refused(tmp_p
     vague["losses"] = [1.0, 1.0, 1.0]  # (a warm-up: which draw was timed is not known)
     done = run(tmp_path, "--steps", scale_json(tmp_path, "v.json", [vague]))
     assert done.returncode != 0 and "Transformer" in done.stderr and "draws" in done.stderr
+    twice = run(tmp_path, "--steps", scale_json(tmp_path, "t.json", [row("FoX (Pro)", 1.0, 2.0)] * 2))
+    assert twice.returncode != 0 and "more than one row of FoX (Pro)" in twice.stderr
+    late = run(tmp_path, "--steps", scale_json(tmp_path, "l.json", [row("FoX (Pro)", 1.0, 2.0, timed_draws=[5])]))
+    assert late.returncode != 0 and "--draws 3" in late.stderr
     missing = tmp_path / "nothing.json"
     done = run(tmp_path, "--steps", str(missing))
     assert done.returncode != 0 and str(missing) in done.stderr
