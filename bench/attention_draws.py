@@ -24,7 +24,6 @@ the models' total time over all draws (the same tokens).
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import time
 from pathlib import Path
@@ -34,7 +33,7 @@ from scale import density, documents
 
 from longctx.model import attention
 from longctx.model.fox import Acp
-from longctx.model.transformer import Context, Transformer, packed_positions
+from longctx.model.transformer import Transformer, packed_positions
 from longctx.perf import write_result
 from longctx.train.models import preset
 
@@ -42,7 +41,7 @@ MODELS = {"Transformer": "llama", "FoX (Pro)": "fox"}
 
 
 class Layer:
-    """Layer 0 of the shape, at initialisation, and the per-rank head slices of its projections."""
+    """Layer 0 of the shape, at initialisation, and its attention core over each rank's heads."""
 
     def __init__(self, shape: str, arch: str, seq: int, sp: int, device: torch.device, seed: int = 0):
         torch.manual_seed(seed)
@@ -51,48 +50,40 @@ class Layer:
             raise SystemExit(f"--sp {sp}: {shape} has {cfg.n_heads} query and {cfg.kv_heads} key/value heads")
         self.model = Transformer(cfg).to(device, torch.bfloat16)
         self.attn = self.model.layers[0].self_attn
-        self.sp, self.device, self.fox = sp, device, arch == "fox"
-        self.backend = attention.resolve("auto", device, self.fox)
-        self.acp = self.fox and self.backend == "fox"
+        self.sp, self.device = sp, device
+        self.backend = attention.resolve("auto", device, arch == "fox")
+        if arch == "fox" and self.backend == "fox":
+            self.model.acp = Acp()
 
-    def heads(self, n: int, rank: int) -> list[torch.Tensor | None]:
-        """q, k, v, log f, KV-shift's gates of `rank`'s heads for n unit-RMS tokens, as leaves."""
+    def heads(self, n: int, ranks: int) -> list[list[torch.Tensor | None]]:
+        """Per rank of the first `ranks`: q, k, v, log f and KV-shift's gates of its heads for n unit-RMS tokens (the
+        same tokens: after Ulysses' exchange every rank holds the whole sequence), as leaves."""
         x = torch.randn(n, self.model.cfg.d_model, device=self.device, dtype=torch.bfloat16,
-                        generator=torch.Generator(self.device).manual_seed(rank))
+                        generator=torch.Generator(self.device).manual_seed(0))
         with torch.no_grad():
             parts = self.attn.project(x)
-        out = []
-        for t, width in zip(parts, (self.attn.h, self.attn.hk, self.attn.hk, self.attn.h, self.attn.hk, self.attn.hk),
-                            strict=True):
-            if t is not None:
-                share = width // self.sp
-                t = t[:, rank * share:(rank + 1) * share].contiguous().requires_grad_(t.is_floating_point())
-            out.append(t)
-        return out
+        widths = (self.attn.h, self.attn.hk, self.attn.hk, self.attn.h, self.attn.hk, self.attn.hk)
+        return [[None if t is None else t[:, r * (w // self.sp):(r + 1) * (w // self.sp)].contiguous().requires_grad_()
+                 for t, w in zip(parts, widths, strict=True)] for r in range(ranks)]
 
-    def context(self, bounds: torch.Tensor) -> Context:
-        """What the model's forward hands each layer (transformer.hidden), for these documents."""
+    def time(self, bounds: torch.Tensor, ranks: int) -> list[tuple[float, float | None]]:
+        """Per rank of the first `ranks`: (seconds of a forward without gradients, then forward +
+        backward; the kept fraction of causal tiles under ACP, or None)."""
         n, cu = int(bounds[-1]), bounds.to(self.device)
         cos, sin = self.model.rotary(packed_positions(cu, n), cu, torch.bfloat16)
-        attend = attention.BACKENDS[self.backend]
-        plan = attention.plan(self.backend, bounds.tolist(), self.device)
-        if plan is not None:
-            attend = functools.partial(attend, plan=plan)
-        return Context(cu, n, cos, sin, attend, acp_eps=Acp().eps if self.acp else None)
-
-    def time(self, bounds: torch.Tensor, rank: int) -> tuple[float, float | None]:
-        """(seconds of a forward without gradients, then forward + backward; the kept fraction of
-        causal tiles under ACP, or None)."""
-        ctx, parts = self.context(bounds), self.heads(int(bounds[-1]), rank)
-        sync()
-        begin = time.perf_counter()
-        with torch.no_grad():
-            self.attn.core(*parts, ctx)
-        o, tiles = self.attn.core(*parts, ctx)
-        o.backward(torch.ones_like(o))
-        sync()
-        seconds = time.perf_counter() - begin
-        return seconds, None if tiles is None else float(tiles[0]) / max(float(tiles[1]), 1.0)
+        ctx = self.model.attention_context(cu, n, cos, sin, bounds.tolist())
+        out = []
+        for parts in self.heads(n, ranks):
+            sync()
+            begin = time.perf_counter()
+            with torch.no_grad():
+                self.attn.core(*parts, ctx)
+            o, tiles = self.attn.core(*parts, ctx)
+            o.backward(torch.ones_like(o))
+            sync()
+            out.append((time.perf_counter() - begin,
+                        None if tiles is None else float(tiles[0]) / max(float(tiles[1]), 1.0)))
+        return out
 
 
 def sync() -> None:
@@ -166,13 +157,13 @@ def main() -> None:
     layers = {m: Layer(args.shape, arch, args.seq, args.sp, device) for m, arch in MODELS.items()}
     draws = [documents(args.seq, 1000 * i) for i in range(args.draws)]
     for layer in layers.values():  # compilation and autotuning, untimed
-        layer.time(draws[0], 0)
+        layer.time(draws[0], 1)
     rows = []
     print(f"{'draw':>4} {'docs':>5} {'longest':>8} {'density':>7} {'Transformer s':>13} {'FoX s (ranks)':>24} "
           f"{'FoX kept':>8}", flush=True)
     for i, bounds in enumerate(draws):
-        t, _ = layers["Transformer"].time(bounds, 0)
-        fox = [layers["FoX (Pro)"].time(bounds, r) for r in range(args.sp)]
+        ((t, _),) = layers["Transformer"].time(bounds, 1)
+        fox = layers["FoX (Pro)"].time(bounds, args.sp)
         kept = [k for _, k in fox if k is not None]
         row = {"draw": i, "seed": 1000 * i, "documents": len(bounds) - 1,
                "longest": int((bounds[1:] - bounds[:-1]).max()), "density": round(density(args.seq, [i], 1), 4),
@@ -194,7 +185,7 @@ def main() -> None:
         print(f"FoX (Pro)+ACP over the Transformer: {est['ratio_at_timed_draw']}x at the timed draw, "
               f"{est['ratio_over_draws']}x over draws 0..{args.draws - 1}")
     fields = {"shape": args.shape, "seq": args.seq, "sp": args.sp, "layers": n_layers,
-              "backends": {m: layer.backend + ("+acp" if layer.acp else "") for m, layer in layers.items()},
+              "backends": {m: layer.backend + ("+acp" if layer.model.acp else "") for m, layer in layers.items()},
               "timing": "one layer's attention core per draw, halves recomputation: forward, then forward + backward",
               "rows": rows, "estimates": est}
     if device.type == "cuda":

@@ -397,17 +397,7 @@ class Transformer(nn.Module):
         if self.cfg.learned_positions is not None:
             x = x + self.positions(position_ids.reshape(-1)[lo:hi], top)
         pe = self._seqpe(position_ids.reshape(-1), top) if self.cfg.seqpe is not None else None
-        name = attention.resolve(self.attention_backend, device, self.cfg.fox is not None or self.cfg.alibi)
-        if self.acp is not None and name != "fox":
-            raise ValueError("ACP prunes FoX attention with the 'fox' attention backend (Triton, CUDA); this "
-                             f"model is {'FoX' if self.cfg.fox else 'not FoX'} and attends with {name!r} on "
-                             f"{device.type}")
-        attend = attention.BACKENDS[name]
-        plan = attention.plan(name, host, device) if host is not None else None
-        if plan is not None:
-            attend = functools.partial(attend, plan=plan)
-        acp_eps = self.acp.eps if self.acp is not None and cache is None else None
-        ctx = Context(cu_seqlens, n, cos, sin, attend, cache, acp_eps, pe)
+        ctx = self.attention_context(cu_seqlens, n, cos, sin, host, cache, pe)
         tiles = []
         for layer in self.layers:
             x, counts = layer(x, ctx)
@@ -418,6 +408,24 @@ class Transformer(nn.Module):
         if cache is not None:
             cache.length += n
         return self.norm(x)
+
+    def attention_context(self, cu_seqlens: torch.Tensor, n: int, cos, sin, host: list[int] | None, cache=None,
+                          pe: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> Context:
+        """What every layer of a forward over these documents (device boundaries `cu_seqlens`, or
+        also `host` ones) shares: the backend, checked against ACP and bound to its plan when the
+        host knows the boundaries, the rotary tables, ACP's threshold, SeqPE's parts."""
+        device = cu_seqlens.device
+        name = attention.resolve(self.attention_backend, device, self.cfg.fox is not None or self.cfg.alibi)
+        if self.acp is not None and name != "fox":
+            raise ValueError("ACP prunes FoX attention with the 'fox' attention backend (Triton, CUDA); this "
+                             f"model is {'FoX' if self.cfg.fox else 'not FoX'} and attends with {name!r} on "
+                             f"{device.type}")
+        attend = attention.BACKENDS[name]
+        plan = attention.plan(name, host, device) if host is not None else None
+        if plan is not None:
+            attend = functools.partial(attend, plan=plan)
+        acp_eps = self.acp.eps if self.acp is not None and cache is None else None
+        return Context(cu_seqlens, n, cos, sin, attend, cache, acp_eps, pe)
 
     def _seqpe(self, positions: torch.Tensor, top: int | None) -> tuple[torch.Tensor, torch.Tensor, float]:
         """SeqPE's per-token query and key parts, from one encoding per distinct position."""
