@@ -41,18 +41,22 @@
 #                                      at 120.7 GiB, 204 GiB of the host in use); then GPUs 0-1: FoX
 #                                      (Pro)+ACP at 1,114,112 with host offload (beyond 1M). (The first run
 #                                      had bench/attention_draws.py on GPU 1 beside it: 6 minutes, done.)
-# On 4 x H200 (nvidia-h200-x4, 512 GiB of host memory, issue 36), detached as llama-1m (~25 minutes):
+# On 4 x H200 (nvidia-h200-x4, 512 GiB of host memory, issue 36), one call each, each within a device
+# command's 10 minutes and writing straight to $OUT (a detached run is lost with the machine when a
+# reply is late: 30 s idle; on 2026-11-28 one was lost after a transient API error, 540 s of waiting):
 #   bash bench/gpu_calls.sh x4         FoX (Pro)+ACP at 2,097,152 tokens, SP 4 (512K tokens a GPU, as
-#                                      fox-1m's: halves, the optimizer state on the GPUs, 30 GiB each,
-#                                      inputs on the host but the last 10: 352 GiB of it); then the FSDP2
-#                                      64K scaling rows on all 4 GPUs and on 2 of them (both ends of the
-#                                      ratio from one machine); then, with 540 s left, the bisection's
-#                                      next step: 2,359,296 if 2M trained (12 kept: 360 GiB of host),
-#                                      1,835,008 if not
+#                                      fox-1m's: halves, the optimizer state on the GPUs, inputs on the
+#                                      host but the last 10): trained, steps of 274 s and 96 s, 430 s in
+#                                      all, 115 GiB a GPU, 90 GiB of host a rank
+#   bash bench/gpu_calls.sh x4-2       the FSDP2 64K scaling rows on all 4 GPUs, then on 2 of them: both
+#                                      ends of the ratio from one machine (the 4-GPU row's isolated steps
+#                                      took 44.5, 34.6 and 26.8 s)
+#   bash bench/gpu_calls.sh x4-3       the bisection's next step: FoX (Pro)+ACP at 2,359,296, 12 inputs
+#                                      kept (360 GiB of host in all)
 # What comes back (8 files at most): scale.tar.gz (scale.py's JSON and logs), tests*.log,
 # pipeline-*.tar.gz (bench/gpu_pipeline.sh's files), device.log. LIMIT: seconds for the whole script.
 set -uo pipefail
-call=${1:?give fox-one, one-512k, fox-1m, products, llamas, llama-1m, llama-one or x4}
+call=${1:?give fox-one, one-512k, fox-1m, products, llamas, llama-1m, llama-one, x4, x4-2 or x4-3}
 limit=${LIMIT:-585}
 begin=$(date +%s)
 out=$(realpath -m "${OUT:-bench/results/x4}")
@@ -104,15 +108,11 @@ case $call in
                scale millions || status=1
              [ "$(left)" -gt 420 ] && { GPUS=2 LIMIT=$(left 15) LONG_SEQ=1114112 KEEP=6 MODELS=fox-sp scale millions \
                                           || status=1; } ;;
-  x4) GPUS=4 LIMIT=$(( $(left) < 660 ? $(left) : 660 )) LONG_SEQ=2097152 KEEP=10 MODELS=fox-sp scale millions; first=$?
-      LIMIT=300 scale scaling || status=1
-      GPUS=2 LIMIT=300 scale scaling || status=1
-      if [ "$(left)" -gt 540 ]; then
-        if [ $first -eq 0 ]; then next=2359296 keep=12; else next=1835008 keep=10; fi
-        GPUS=4 LIMIT=$(left 15) LONG_SEQ=$next KEEP=$keep MODELS=fox-sp scale millions || status=1
-      fi
-      [ $first -eq 0 ] || status=1 ;;
-  *) echo "gpu_calls: give fox-one, one-512k, fox-1m, products, llamas, llama-1m, llama-one or x4" >&2; exit 2 ;;
+  x4) LIMIT=$(left 15) LONG_SEQ=2097152 KEEP=10 MODELS=fox-sp scale millions || status=1 ;;
+  x4-2) LIMIT=$(( $(left) / 2 )) scale scaling || status=1
+        GPUS=2 LIMIT=$(left 10) scale scaling || status=1 ;;
+  x4-3) LIMIT=$(left 15) LONG_SEQ=2359296 KEEP=12 MODELS=fox-sp scale millions || status=1 ;;
+  *) echo "gpu_calls: give fox-one, one-512k, fox-1m, products, llamas, llama-1m, llama-one, x4, x4-2 or x4-3" >&2; exit 2 ;;
 esac
 tar -C "$out" -czf "$out/scale.tar.gz" scale && rm -rf "$out/scale"
 tail -40 "$out/device.log"
