@@ -2,13 +2,17 @@
 # On a one-GPU CUDA machine without internet: the CUDA tests, then benchmarks (carry .whl:
 # pydantic; fla-core for the attention bench's peer). Logs and JSON go to $OUT (or bench/results).
 #   bash bench/gpu_run.sh [tests] [train_throughput] [model_step] [attention] [gates] [positions] [decode]
-#                         [fox_training] [fox_kernel] [decode_tests] [tiny_retrieval]   (default: all but the last two)
+#                         [fox_training] [fox_kernel] [decode_tests] [tiny_retrieval] [cudnn_grads] [attention_tests]
+#                         (default: all but the last four)
 # gates: a FoX (Pro) 125M trained 300 steps on data/packed/stage2 (carry it: the tiny profile's pack
 # stage makes it), its gates sampled for tests/test_fox_kernel.py, then attention.py with its forget gates
 # at 16K and 64K. positions: bench/positions.py on the same split. fox_training / fox_kernel: the two
 # parts of bench/fox_check.py (the kernel part beside bench/work/kernel_cf47ec1.py when carried).
-# tests: TESTS_LIMIT seconds (default 540) over TESTS_WORKERS pytest-xdist workers (default 8; the image has
-# xdist): the kernels' compilation, not the GPU, is what the CUDA matrix waits on.
+# cudnn_grads + attention_tests (~2 minutes): whose are cuDNN's wrong gradients, cuDNN's or our wrapper's
+# (bench/cudnn_grads.py), and the CUDA attention tests with their expected failures shown (-rxX: the cuDNN
+# case of the peaked-attention test, never yet run).
+# tests: TESTS_LIMIT seconds (default 540) over TESTS_WORKERS pytest-xdist workers (default 8; the image
+# has xdist): the kernels' compilation, not the GPU, is what the CUDA matrix waits on.
 set -uo pipefail
 out=${OUT:-bench/results}
 mkdir -p "$out"
@@ -41,6 +45,8 @@ for part in $parts; do
                    --anomaly --out "$out/anomaly" --work bench/work/anomaly 2>&1 | tail -60 | tee "$out/positions-anomaly.log"
                fi
                : ;;  # (the loop below takes this part's status from here)
+    attention_tests) timeout 300 python3 -m pytest -q -rxX -p no:cacheprovider -n 4 tests/test_gpu_attention.py 2>&1 \
+             | tee "$out/gpu_attention_tests.log" ;;
     decode_tests) timeout 240 python3 -m pytest -q -p no:cacheprovider -n 4 tests/test_decode.py 2>&1 \
              | tee "$out/gpu_decode_tests.log" ;;
     tiny_retrieval) python3 bench/tiny_retrieval.py --tokens data/tokens --lengths 512 4096 --evals 3 --parallel 2 \

@@ -1,0 +1,217 @@
+"""Whose are cuDNN's wrong attention gradients, cuDNN's or our wrapper's (issues 32, 34)?
+
+On the trained gpu-64k base our cuDNN path's q/k gradients were uncorrelated with every other
+backend's (bench/backend_grads.py), so 'cudnn' is refused, and the Transformer baselines run
+FlashAttention-2 at ~2/3 of cuDNN's speed. Random unit inputs pass the wrapper
+(tests/test_gpu_attention.py). This times nothing: it computes one attention op's output and
+q/k/v gradients, in bf16, in four ways on the same documents and the same upstream gradient, each
+against the fp64 reference (relative error by norm):
+
+  wrapper      model/cudnn_attention.py (documents of >= LONG_DOC tokens dense cuDNN, padded to a
+               plan size; the rest FlashAttention-2), run first and again after torch_cudnn (the
+               graphs cuDNN caches are keyed by q/k/v alone)
+  torch_cudnn  PyTorch's own cuDNN path: per document F.scaled_dot_product_attention under
+               sdpa_kernel(CUDNN_ATTENTION), autograd's backward
+  varlen       FlashAttention-2's varlen kernel (the backend the Transformer trains with)
+
+in input regimes a trained model is in and random unit inputs are not: `peaked` (logits of std
+~8, as induction heads have them), `sinks` (peaked, and most of every row's weight on its
+document's first token, as trained LMs put it), `tiny-base` (q, k, v and the loss's gradient
+at the attention output of checkpoints/tiny-base's layers on this repository's text), beside
+`unit`. If torch_cudnn matches the reference where the wrapper does not, the wrapper is wrong;
+if both fail, cuDNN is (PyTorch issue #150700).
+
+    python bench/cudnn_grads.py --out bench/results        (one CUDA GPU, about a minute)
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from longctx.data.tokenizer import TextTokenizer
+from longctx.model import attention, cudnn_attention
+from longctx.perf import write_result
+from longctx.train.models import load_model
+
+REPO = Path(__file__).resolve().parent.parent
+BASE = REPO / "checkpoints" / "tiny-base"
+LENGTHS = [2600, 37, 1400, 59, 1400, 700]
+"""Documents past LONG_DOC beside short ones, two of one length (one cached cuDNN graph)."""
+Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+"""q [N, H, D], k and v [N, Hkv, D], the upstream gradient [N, H, D] (all fp32), cu_seqlens."""
+
+
+def boundaries(lengths: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+
+
+def synthetic(regime: str, lengths: list[int], heads: tuple[int, int], d: int, device: torch.device,
+              seed: int = 0) -> Inputs:
+    """`unit`, `peaked` or `sinks` inputs over documents of these lengths (heads: query, KV)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    n, (h, hk) = sum(lengths), heads
+    q, k, v, g = (torch.randn(n, x, d, generator=gen, device=device) for x in (h, hk, hk, h))
+    cu = boundaries(lengths, device)
+    if regime in ("peaked", "sinks"):
+        q, k = 2.8 * q, 2.8 * k  # q.k / sqrt(d) of std 2.8^2 ~ 8 at any d
+    if regime == "sinks":  # every query leans on one direction that its document's first key holds
+        u = F.normalize(torch.randn(d, generator=gen, device=device), dim=0)
+        q = q + 4.0 * u
+        k[cu[:-1].long()] += 30 * math.sqrt(d) / 4.0 * u  # q_i.k_first / sqrt(d) ~ 30, the others' std ~ 8
+    elif regime != "unit" and regime != "peaked":
+        raise ValueError(f"regime {regime!r} is not unit, peaked or sinks")
+    return q, k, v, g, cu
+
+
+def captured(base: Path, lengths: list[int], device: torch.device, layer: int) -> Inputs:
+    """q, k, v (after the rotary) and the gradient of the summed next-token loss at the attention
+    output of one layer of a trained checkpoint, on this repository's Python sources, one file a
+    document, cut to `lengths` tokens (fp32 forward)."""
+    tok = TextTokenizer.load(base)
+    texts = [p.read_text() for p in sorted((REPO / "src").rglob("*.py"))]
+    docs = [d for d in tok.encode_texts(texts, add_bos=True, add_eos=False) if len(d) >= max(lengths)]
+    if not docs:
+        raise ValueError(f"no source file of {max(lengths)} tokens under {REPO / 'src'}")
+    ids = torch.cat([torch.as_tensor(docs[i % len(docs)][:length], dtype=torch.long)
+                     for i, length in enumerate(lengths)]).to(device)
+    cu = boundaries(lengths, device)
+    model = load_model(base, "sdpa").to(device).float()
+    calls: list[int] = []
+    seen: dict[str, torch.Tensor] = {}
+    plain = attention.BACKENDS["sdpa"]
+
+    def record(q, k, v, cu_seqlens, log_f=None, scale=None):
+        out = plain(q, k, v, cu_seqlens, log_f, scale)
+        if len(calls) == layer:  # the layers attend in order, once each
+            seen.update(q=q.detach(), k=k.detach(), v=v.detach())
+            out.register_hook(lambda grad: seen.__setitem__("g", grad.detach()))
+        calls.append(1)
+        return out
+
+    attention.BACKENDS["sdpa"] = record
+    try:
+        labels = torch.cat((ids[1:], ids.new_full((1,), -100)))
+        labels[cu[1:-1].long() - 1] = -100  # no loss across a document boundary
+        model(ids, cu, labels=labels).backward()
+    finally:
+        attention.BACKENDS["sdpa"] = plain
+    if "g" not in seen:
+        raise ValueError(f"{base}: no layer {layer} (the model has {len(calls)})")
+    return seen["q"], seen["k"], seen["v"], seen["g"], cu
+
+
+def torch_cudnn(q, k, v, cu_seqlens, scale=None):
+    """PyTorch's cuDNN attention per document, autograd's backward."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    bounds, outs = cu_seqlens.tolist(), []
+    groups = q.shape[1] // k.shape[1]
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+            qd, kd, vd = (t[a:b].transpose(0, 1)[None] for t in (q, k, v))
+            if groups > 1:
+                kd, vd = kd.repeat_interleave(groups, 1), vd.repeat_interleave(groups, 1)
+            outs.append(F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale)[0].transpose(0, 1))
+    return torch.cat(outs)
+
+
+VARIANTS: dict[str, Callable] = {
+    "wrapper": lambda q, k, v, cu: cudnn_attention.attend(q, k, v, cu),
+    "torch_cudnn": lambda q, k, v, cu: torch_cudnn(q, k, v, cu),
+    "varlen": lambda q, k, v, cu: attention.varlen(q, k, v, cu),
+    "wrapper_after_torch": lambda q, k, v, cu: cudnn_attention.attend(q, k, v, cu),
+}
+
+
+def errors(inputs: Inputs, variants: dict[str, Callable], dtype: torch.dtype = torch.bfloat16) -> dict[str, dict]:
+    """Per variant: relative error by norm of out, dq, dk, dv against the fp64 reference, and the
+    cosine of each gradient with the reference's; a variant that raises gets its error message."""
+    q, k, v, g, cu = inputs
+    ref_leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
+    ref = attention.reference(*ref_leaves, cu)
+    ref_grads = torch.autograd.grad(ref, ref_leaves, g.double())
+    probs = attention_weights(q.double(), k.double(), cu)
+    rows = {"_inputs": {"tokens": q.shape[0], "heads": [q.shape[1], k.shape[1]], "head_dim": q.shape[2],
+                        "top_weight": round(float(probs.amax(-1).mean()), 4),
+                        "first_token_weight": round(float(probs[..., 0].mean()), 4)}}
+    for name, fn in variants.items():
+        leaves = [t.detach().to(dtype).requires_grad_(True) for t in (q, k, v)]
+        try:
+            out = fn(*leaves, cu)
+            grads = torch.autograd.grad(out, leaves, g.to(out.dtype))
+        except Exception as e:  # a refused shape is a finding, not a crash of the others
+            rows[name] = {"error": f"{type(e).__name__}: {e}"[:300]}
+            continue
+        row = {"out": rel(out, ref)}
+        for which, a, b in zip("qkv", grads, ref_grads, strict=True):
+            row[f"d{which}"] = rel(a, b)
+            row[f"cos_d{which}"] = round(F.cosine_similarity(a.double().flatten(), b.flatten(), dim=0).item(), 5)
+        rows[name] = row
+    return rows
+
+
+def attention_weights(q: torch.Tensor, k: torch.Tensor, cu: torch.Tensor, rows: int = 64) -> torch.Tensor:
+    """The attention weights of the last `rows` queries of the longest document, their keys being
+    its tokens from its first [H, rows, L]: how peaked a regime is, and how much its first token takes."""
+    bounds = cu.tolist()
+    a, b = max(zip(bounds[:-1], bounds[1:], strict=True), key=lambda ab: ab[1] - ab[0])
+    kd = k[a:b].repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    qd = q[max(a, b - rows):b]
+    logits = torch.einsum("qhd,khd->hqk", qd, kd) / math.sqrt(q.shape[-1])
+    pos = torch.arange(b - a, device=q.device)
+    logits = logits.masked_fill(pos[None, None, :] > (pos[-qd.shape[0]:])[None, :, None], float("-inf"))
+    return logits.softmax(-1)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return round(((a.double() - b.double()).norm() / b.double().norm()).item(), 5)
+
+
+def table(results: dict[str, dict]) -> str:
+    lines = [f"{'regime':<10} {'variant':<20} {'out':>8} {'dq':>8} {'dk':>8} {'dv':>8} {'cos dq':>8} {'cos dk':>8}"]
+    for regime, rows in results.items():
+        info = rows["_inputs"]
+        lines.append(f"{regime:<10} (top weight {info['top_weight']}, first token {info['first_token_weight']})")
+        for name, row in rows.items():
+            if name == "_inputs":
+                continue
+            if "error" in row:
+                lines.append(f"{'':<10} {name:<20} {row['error'][:60]}")
+                continue
+            lines.append(f"{'':<10} {name:<20} {row['out']:>8.4f} {row['dq']:>8.4f} {row['dk']:>8.4f} "
+                         f"{row['dv']:>8.4f} {row['cos_dq']:>8.4f} {row['cos_dk']:>8.4f}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path("bench/results"))
+    ap.add_argument("--heads", type=int, nargs=2, default=[8, 2], help="query and KV heads (the 8B's ratio)")
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--base", type=Path, default=BASE, help="a trained checkpoint for the tiny-base regime")
+    ap.add_argument("--layer", type=int, default=3, help="the tiny base's most peaked layer (top weight 0.29)")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("cudnn_grads: needs a CUDA GPU (cuDNN's attention and FlashAttention-2)")
+    dev = torch.device("cuda")
+    results = {r: errors(synthetic(r, LENGTHS, tuple(args.heads), args.head_dim, dev), VARIANTS)
+               for r in ("unit", "peaked", "sinks")}
+    # the tiny base was trained at 512 tokens: documents within it, and LONG_DOC lowered so they take cuDNN
+    cudnn_attention.LONG_DOC = 128
+    try:
+        results["tiny-base"] = errors(captured(args.base, [512, 37, 300, 512, 90, 450], dev, args.layer), VARIANTS)
+    finally:
+        cudnn_attention.LONG_DOC = 1024
+    print(table(results))
+    write_result(args.out, "cudnn_grads", {"lengths": LENGTHS, "heads": args.heads, "head_dim": args.head_dim,
+                                           "cudnn": torch.backends.cudnn.version(), "regimes": results})
+
+
+if __name__ == "__main__":
+    main()
