@@ -35,12 +35,16 @@
 #     cp /tmp/l1m/scale.tar.gz /tmp/l1m/device.log $OUT/
 #                                      (the next call must follow a reply at once: after 30 s idle the machine
 #                                      goes, and the detached run with it; llama-one's first run was lost so)
-#   bash bench/gpu_calls.sh llama-one  (detached, as llama-1m: ~20 minutes) GPU 0: the Transformer at 524,288
+#   bash bench/gpu_calls.sh llama-one  (detached, as llama-1m: ~13 minutes) GPU 0: the Transformer at 524,288
 #                                      tokens on one GPU (one-512k's settings, 14 inputs kept: its block's
 #                                      backward holds ~2 inputs more than FoX's; its first step took 445.9 s
-#                                      at 120.7 GiB, 204 GiB of the host in use); then GPUs 0-1: FoX
-#                                      (Pro)+ACP at 1,114,112 with host offload (beyond 1M). (The first run
-#                                      had bench/attention_draws.py on GPU 1 beside it: 6 minutes, done.)
+#                                      at 120.7 GiB, 204 GiB of the host in use). GPU 1 meanwhile, in the
+#                                      first call, its files straight to $OUT (kept if the machine goes):
+#                                      CUDA_VISIBLE_DEVICES=1 bash bench/gpu_run.sh cudnn_grads attention_tests
+#                                      (source bench/gpu_env.sh before starting either: two first installs
+#                                      of the wheels into one folder at once would clash)
+#   bash bench/gpu_calls.sh fox-beyond GPUs 0-1: FoX (Pro)+ACP at 1,114,112 with host offload (beyond 1M;
+#                                      1M's steps took 240 s and 91 s: one call)
 # On 4 x H200 (nvidia-h200-x4, 512 GiB of host memory, issue 36), one call each, each within a device
 # command's 10 minutes and writing straight to $OUT (a detached run is lost with the machine when a
 # reply is late: 30 s idle; on 2026-11-28 one was lost after a transient API error, 540 s of waiting):
@@ -56,7 +60,7 @@
 # What comes back (8 files at most): scale.tar.gz (scale.py's JSON and logs), tests*.log,
 # pipeline-*.tar.gz (bench/gpu_pipeline.sh's files), device.log. LIMIT: seconds for the whole script.
 set -uo pipefail
-call=${1:?give fox-one, one-512k, fox-1m, products, llamas, llama-1m, llama-one, x4, x4-2 or x4-3}
+call=${1:?give fox-one, one-512k, fox-1m, products, llamas, llama-1m, llama-one, fox-beyond, x4, x4-2 or x4-3}
 limit=${LIMIT:-585}
 begin=$(date +%s)
 out=$(realpath -m "${OUT:-bench/results/x4}")
@@ -104,15 +108,14 @@ case $call in
           SET=train.pretrain.factors=search product llama 1 "$(left 20)" llama-factors &
           wait ;;
   llama-1m) GPUS=2 LIMIT=$(left 15) LONG_SEQ=1048576 KEEP=6 MODELS=sp scale millions || status=1 ;;
-  llama-one) CUDA_VISIBLE_DEVICES=0 GPUS=1 STATES=host LIMIT=$(left 450) LONG_SEQ=524288 KEEP=14 MODELS=sp \
-               scale millions || status=1
-             [ "$(left)" -gt 420 ] && { GPUS=2 LIMIT=$(left 15) LONG_SEQ=1114112 KEEP=6 MODELS=fox-sp scale millions \
-                                          || status=1; } ;;
+  llama-one) CUDA_VISIBLE_DEVICES=0 GPUS=1 STATES=host LIMIT=$(left 15) LONG_SEQ=524288 KEEP=14 MODELS=sp \
+               scale millions || status=1 ;;
+  fox-beyond) GPUS=2 LIMIT=$(left 15) LONG_SEQ=1114112 KEEP=6 MODELS=fox-sp scale millions || status=1 ;;
   x4) LIMIT=$(left 15) LONG_SEQ=2097152 KEEP=10 MODELS=fox-sp scale millions || status=1 ;;
   x4-2) LIMIT=$(( $(left) / 2 )) scale scaling || status=1
         GPUS=2 LIMIT=$(left 10) scale scaling || status=1 ;;
   x4-3) LIMIT=$(left 15) LONG_SEQ=2359296 KEEP=12 MODELS=fox-sp scale millions || status=1 ;;
-  *) echo "gpu_calls: give fox-one, one-512k, fox-1m, products, llamas, llama-1m, llama-one, x4, x4-2 or x4-3" >&2; exit 2 ;;
+  *) echo "gpu_calls: give fox-one, one-512k, fox-1m, products, llamas, llama-1m, llama-one, fox-beyond, x4, x4-2 or x4-3" >&2; exit 2 ;;
 esac
 tar -C "$out" -czf "$out/scale.tar.gz" scale && rm -rf "$out/scale"
 tail -40 "$out/device.log"
