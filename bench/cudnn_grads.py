@@ -107,16 +107,18 @@ def captured(base: Path, lengths: list[int], device: torch.device, layer: int) -
 
 
 def torch_cudnn(q, k, v, cu_seqlens, scale=None):
-    """PyTorch's cuDNN attention per document, autograd's backward."""
+    """PyTorch's cuDNN attention per document, autograd's backward; routed as the wrapper routes
+    (documents under LONG_DOC tokens to FlashAttention-2), so the two differ only in the glue."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     bounds, outs = cu_seqlens.tolist(), []
     groups = q.shape[1] // k.shape[1]
-    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
-            qd, kd, vd = (t[a:b].transpose(0, 1)[None] for t in (q, k, v))
-            if groups > 1:
-                kd, vd = kd.repeat_interleave(groups, 1), vd.repeat_interleave(groups, 1)
+    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+        qd, kd, vd = (t[a:b].transpose(0, 1)[None] for t in (q, k, v))
+        if groups > 1:
+            kd, vd = kd.repeat_interleave(groups, 1), vd.repeat_interleave(groups, 1)
+        long = b - a >= cudnn_attention.LONG_DOC
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION if long else SDPBackend.FLASH_ATTENTION]):
             outs.append(F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale)[0].transpose(0, 1))
     return torch.cat(outs)
 

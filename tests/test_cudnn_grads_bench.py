@@ -77,3 +77,17 @@ def test_main_says_it_needs_a_gpu(monkeypatch, tmp_path):
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         cudnn_grads.main()
     assert not any(tmp_path.iterdir())
+
+
+def test_torch_cudnn_routes_as_the_wrapper(monkeypatch):
+    """PyTorch's path takes cuDNN for documents of LONG_DOC tokens or more, flash for the rest (GQA by
+    repeated heads): on a CPU the flash documents compute right, and a cuDNN one finds no kernel."""
+    from longctx.model import cudnn_attention
+
+    inputs = cudnn_grads.synthetic("peaked", [300, 37, 120], (4, 2), 32, CPU)
+    variant = {"torch_cudnn": lambda q, k, v, cu: cudnn_grads.torch_cudnn(q, k, v, cu)}
+    monkeypatch.setattr(cudnn_attention, "LONG_DOC", 10**9)
+    row = cudnn_grads.errors(inputs, variant, torch.float32)["torch_cudnn"]
+    assert max(row[k] for k in ("out", "dq", "dk", "dv")) < 1e-4
+    monkeypatch.setattr(cudnn_attention, "LONG_DOC", 200)
+    assert "error" in cudnn_grads.errors(inputs, variant, torch.float32)["torch_cudnn"]
