@@ -15,7 +15,7 @@ import cudnn_grads  # noqa: E402
 
 CPU = torch.device("cpu")
 LENGTHS = [700, 37, 400, 59, 400]
-VARIANTS = {"sdpa": lambda q, k, v, cu: attention.sdpa(q, k, v, cu),
+VARIANTS = {"sdpa": attention.sdpa,
             "heads_swapped": lambda q, k, v, cu: attention.sdpa(q, k.flip(1), v, cu)}
 
 
@@ -85,7 +85,7 @@ def test_torch_cudnn_routes_as_the_wrapper(monkeypatch):
     from longctx.model import cudnn_attention
 
     inputs = cudnn_grads.synthetic("peaked", [300, 37, 120], (4, 2), 32, CPU)
-    variant = {"torch_cudnn": lambda q, k, v, cu: cudnn_grads.torch_cudnn(q, k, v, cu)}
+    variant = {"torch_cudnn": cudnn_grads.torch_cudnn}
     monkeypatch.setattr(cudnn_attention, "LONG_DOC", 10**9)
     row = cudnn_grads.errors(inputs, variant, torch.float32)["torch_cudnn"]
     assert max(row[k] for k in ("out", "dq", "dk", "dv")) < 1e-4
