@@ -33,6 +33,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from longctx.model.fox import Acp
+from longctx.model.fox import kernel as fox_kernel
 from longctx.model.fox.kernel import fox_attention
 from longctx.perf import write_result
 
@@ -182,8 +183,13 @@ def main() -> None:
     ap.add_argument("--gates-data", type=Path, help="a packed split (data/packed/<split>/<part>) to run it on")
     ap.add_argument("--fla-max", type=int, default=16384, help="longest T for fla (its 64K run is minutes)")
     ap.add_argument("--profile", action="store_true", help="print each kernel's time for fox and fox_acp, no table")
+    ap.add_argument("--wide", action="store_true", help="fox and fox_acp with the 64-bit offsets of sequences past "
+                    "2**31 elements of q, at every length (what they cost: this run beside one without)")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     args = ap.parse_args()
+    if args.wide:
+        fox_kernel.OFFSET_LIMIT = 0
+    result = "attention-wide" if args.wide else "attention"
     gates = model_gates(args.gates_from, max(args.lengths), args.gates_data) if args.gates_from else None
     if args.profile:
         return profile(args.lengths, args.dims, args.width, gates)
@@ -215,7 +221,7 @@ def main() -> None:
                     row[f"{name}_vs_{base}"] = row[f"{name}_ms"] / row[f"{base}_ms"]
             rows.append(row)
             print({k_: round(x, 3) if isinstance(x, float) else x for k_, x in row.items()}, flush=True)
-            write_result(args.out, "attention", {"rows": rows, "triton": triton.__version__}, quiet=True)  # kept if cut
+            write_result(args.out, result, {"rows": rows, "triton": triton.__version__}, quiet=True)  # kept if cut
 
     print(f"{'T':>6} {'D':>4} {'fa2 ms':>8} {'cudnn ms':>8} {'fla ms':>8} {'fox ms':>8} {'acp ms':>8} {'kept':>6} "
           f"{'fla/fa2':>8} {'fox/fa2':>8} {'acp/fa2':>8} {'fox/cud':>8} {'acp/cud':>8} {'1st s':>6}")
@@ -232,7 +238,7 @@ def main() -> None:
             verdicts[f"{name}@{t}<={limit} x {base}"] = {"ratios": got, "met": met}
             print(f"target {name} at T={t}: <= {limit} x {base}: {[f'{x:.2f}' for x in got]} "
                   f"{'met' if met else 'NOT met'}{'' if base == 'fa2' else ' (cuDNN, for comparison)'}")
-    write_result(args.out, "attention", {"rows": rows, "targets": verdicts, "triton": triton.__version__})
+    write_result(args.out, result, {"rows": rows, "targets": verdicts, "wide": args.wide, "triton": triton.__version__})
 
 
 if __name__ == "__main__":

@@ -74,18 +74,21 @@ def ptxas_report(ptx: str, arch: int) -> dict:
     return {"registers": int(regs[1]), "spill_stores": int(spills[1]), "spill_loads": int(spills[2])}
 
 
-def measure(kernel: str, d: int, groups: int, option: tuple[int, int, int, int], arch: int) -> dict:
+def measure(kernel: str, d: int, groups: int, option: tuple[int, int, int, int], arch: int,
+            wide: bool = False) -> dict:
+    """ptxas's registers and spills and the shared memory of one kernel option; `wide`: the 64-bit
+    offsets variant (q beyond 2**31 elements)."""
     fn, _ = KERNELS[kernel]
     bm, bn, warps, stages = option
     if kernel == "bwd_prep":
-        constants = SMALL[kernel] | {"D": d}
+        constants = SMALL[kernel] | {"D": d, "WIDE": wide}
     elif kernel in SMALL:
         constants = SMALL[kernel]
     else:
-        constants = {"GROUPS": groups, "D": d, "BM": bm, "BN": bn, "T": fk.TILE, "PREC": "tf32"}
+        constants = {"GROUPS": groups, "D": d, "BM": bm, "BN": bn, "T": fk.TILE, "PREC": "tf32", "WIDE": wide}
     compiled = compile_kernel(fn, constants, warps, stages, arch)
-    row = {"kernel": kernel, "D": d, "groups": groups, "BM": bm, "BN": bn, "warps": warps, "stages": stages,
-           **ptxas_report(compiled.asm["ptx"], arch), "shared_bytes": compiled.metadata.shared}
+    row = {"kernel": kernel, "wide": wide, "D": d, "groups": groups, "BM": bm, "BN": bn, "warps": warps,
+           "stages": stages, **ptxas_report(compiled.asm["ptx"], arch), "shared_bytes": compiled.metadata.shared}
     row["fits"] = row["shared_bytes"] <= SHARED_LIMIT[arch]
     return row
 
@@ -97,6 +100,8 @@ def main() -> None:
     ap.add_argument("--dims", type=int, nargs="+", default=[64, 128], help="(padded) head dims")
     ap.add_argument("--groups", type=int, nargs="+", default=[1], help="query heads per KV head")
     ap.add_argument("--first", action="store_true", help="only each kernel's first (untuned default) option")
+    ap.add_argument("--wide", action="store_true", help="the 64-bit offsets variants (sequences past 2**31 "
+                    "elements of q) rather than the 32-bit ones")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     args = ap.parse_args()
     for d in args.dims:
@@ -112,13 +117,14 @@ def main() -> None:
             else [(d, g) for d in args.dims for g in args.groups]
         for d, groups in shapes:
             for option in options:
-                r = measure(kernel, d, groups, option, args.arch)
+                r = measure(kernel, d, groups, option, args.arch, args.wide)
                 rows.append(r)
                 print(f"{kernel:<8} {d:>4} {groups:>3} {r['BM']:>4} {r['BN']:>4} {r['warps']:>5} {r['stages']:>6} "
                       f"{r['registers']:>5} {r['spill_stores']:>8} {r['spill_loads']:>8} "
                       f"{r['shared_bytes'] / 1024:>8.1f}{'' if r['fits'] else '  too much shared memory'}",
                       flush=True)
-    write_result(args.out, "kernel_resources", {"arch": args.arch, "triton": triton.__version__, "rows": rows},
+    write_result(args.out, "kernel_resources" + ("-wide" if args.wide else ""),
+                 {"arch": args.arch, "triton": triton.__version__, "wide": args.wide, "rows": rows},
                  device=f"sm{args.arch}")
 
 

@@ -231,26 +231,49 @@ def test_bad_heads_named():
         fk.fox_attention(q, k, k, torch.tensor([0, 64], dtype=torch.int32, device=DEV))
 
 
-def test_the_longest_call_the_32bit_offsets_allow():
-    """2M tokens x 8 heads x 128 dims (the 8B shape at 2,097,152 tokens over SP 4) puts its last
-    element at offset 2**31 - 1, which fits: the guard refused it; one token more does not fit."""
-    for n, fits in ((2**21, True), (2**21 + 1, False)):
+def test_offsets_go_64_bit_past_2_to_the_31():
+    """2M tokens x 8 heads x 128 dims (the 8B shape at 2,097,152 tokens over SP 4) puts q's last
+    element at offset 2**31 - 1: 32-bit offsets, as timed. One token more takes 64-bit offsets
+    (once refused: that stopped FoX at 2M over SP 4 and at 1M over SP 2). Lambda [H, N] keeps
+    32-bit offsets, so H x N past 2**31 is refused by name."""
+    for n, wide in ((2**21, False), (2**21 + 1, True), (2**21 + 2**18, True)):
         q = torch.empty(n, 8, 128, device="meta", dtype=torch.bfloat16)
         k, log_f = q[:, :2], torch.empty(n, 8, device="meta")
         cu = torch.tensor([0, n], dtype=torch.int32, device="meta")
-        if fits:
-            assert fk.attend(q, k, k, cu, log_f)[0].shape == q.shape
-        else:
-            with pytest.raises(ValueError, match="2097153 tokens x 8 heads x 128 dims overflow"):
-                fk.attend(q, k, k, cu, log_f)
+        assert fk._wide(q, k.contiguous()) is wide
+        assert fk.attend(q, k, k, cu, log_f)[0].shape == q.shape
+    n = 2**28 + 1
+    q = torch.empty(n, 8, 16, device="meta", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="268435457 tokens x 8 heads overflow the 32-bit offsets of Lambda"):
+        fk.attend(q, q, q, torch.tensor([0, n], dtype=torch.int32, device="meta"))
+
+
+def test_64_bit_offsets_compute_what_32_bit_ones_do(monkeypatch):
+    """The WIDE kernels (64-bit token offsets) on a call that would not need them, against the
+    32-bit ones: the same arithmetic on the same addresses, so the same bits, out and every
+    gradient, GQA and many documents, fast-forgetting heads."""
+    gen = torch.Generator().manual_seed(21)
+    n, h, hk, d = SIZE + 37, 4, 2, 64
+    q, k, v = (torch.randn(n, x, d, generator=gen).to(DEV, DTYPE) for x in (h, hk, hk))
+    log_f = F.logsigmoid(torch.randn(n, h, generator=gen) * 2 - 1).to(DEV)
+    do = torch.randn(n, h, d, generator=gen).to(DEV, DTYPE)
+    cu = split(n, 7, gen)
+    narrow = run(q, k, v, log_f, cu, do)
+    monkeypatch.setattr(fk, "OFFSET_LIMIT", 0)
+    assert fk._wide(q, k)
+    wide = run(q, k, v, log_f, cu, do)
+    for name, a, b in zip("out q k v log_f".split(), (narrow[0], *narrow[1]), (wide[0], *wide[1]), strict=True):
+        assert torch.equal(a, b), name
 
 
 @pytest.mark.skipif(not CUDA, reason="2M tokens: the interpreter would take hours")
-def test_the_last_document_of_two_million_tokens():
+@pytest.mark.parametrize("n", [2**21, 2**21 + 2**18])
+def test_the_last_document_of_millions_of_tokens(n):
     """At 2,097,152 tokens x 8 heads x 128 dims (the 8B shape over SP 4) the last element's offset
-    is 2**31 - 1: the kernels' 32-bit offsets must still reach it. The last document of such a
-    sequence must get what it gets alone (document masking makes attention blind to the rest)."""
-    n, h, hk, d, doc = 2**21, 8, 2, 128, 4096
+    is 2**31 - 1, the last the 32-bit offsets reach; at 2,359,296 the kernels take 64-bit ones.
+    The last document of such a sequence must get what it gets alone (document masking makes
+    attention blind to the rest)."""
+    h, hk, d, doc = 8, 2, 128, 4096
     gen = torch.Generator(device=DEV).manual_seed(0)
     q, k, v = (torch.randn(n, x, d, device=DEV, generator=gen, dtype=torch.bfloat16) for x in (h, hk, hk))
     log_f = F.logsigmoid(torch.randn(n, h, device=DEV, generator=gen) * 2 + 4)
@@ -259,7 +282,7 @@ def test_the_last_document_of_two_million_tokens():
     last = slice(n - doc, n)
     alone = run(*(t[last] for t in (q, k, v, log_f)), torch.tensor([0, doc], dtype=torch.int32, device=DEV), do[last])
     judge(tuple(t[last] for t in (out, *grads)), tuple(t.double() for t in (alone[0], *alone[1])), 1e-2,
-          "the last of 512 documents against itself alone")
+          f"the last of {n // doc} documents against itself alone")
 
 
 # --- the kernel as the model's FoX backend ---------------------------------------------------

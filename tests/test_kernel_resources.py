@@ -39,6 +39,17 @@ def test_every_kernel_compiles_for_hopper(tmp_path):
         assert r["fits"] and 2 * staged * 64 * 2 <= r["shared_bytes"] <= 232448
     assert 0 < rows["bounds"]["registers"] < 64  # scalar code
     assert "spill st" in done.stdout  # the table
+    assert not any(r["wide"] for r in result["rows"])
+
+
+def test_the_64_bit_offsets_variants_compile_for_hopper(tmp_path):
+    done = tool("--first", "--wide", "--dims", "128", "--kernels", "fwd", "bwd_prep", "--out", str(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    (path,) = tmp_path.glob("kernel_resources-wide-sm90-*.json")
+    result = json.loads(path.read_text())
+    assert result["wide"] and [(r["kernel"], r["wide"], r["D"]) for r in result["rows"]] == \
+        [("fwd", True, 128), ("bwd_prep", True, 128)]
+    assert all(r["registers"] <= 255 and r["fits"] for r in result["rows"])
 
 
 def test_refuses_a_head_dim_the_kernels_never_see(tmp_path):

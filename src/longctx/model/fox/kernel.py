@@ -116,9 +116,12 @@ def _dlogf_kernel(DLAM, END, DLOGF, N, sfn, sfh, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _bwd_prep_kernel(DO, OUT, LAM, LSE, DELTA, ROW, N, sq, D: tl.constexpr, BLOCK: tl.constexpr):
+def _bwd_prep_kernel(DO, OUT, LAM, LSE, DELTA, ROW, N, sq, D: tl.constexpr, BLOCK: tl.constexpr,
+                     WIDE: tl.constexpr):
     """delta = rowsum(dO * O), and each row's Lambda minus its log-sum-exp (one add per logit
     in the backward kernels instead of two)."""
+    if WIDE:
+        sq = sq.to(tl.int64)
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     h = tl.program_id(1)
     valid = rows < N
@@ -221,7 +224,10 @@ def _key_side(K, V, LAM, START, KSTART, h, q0, N, NB, GROUPS: tl.constexpr, D: t
 @triton.jit
 def _fwd_kernel(Q, K, V, LAM, START, KSTART, OUT, LSE, N, NB, sq, sk, scale, SIZE,
                 GROUPS: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                T: tl.constexpr, PREC: tl.constexpr):
+                T: tl.constexpr, PREC: tl.constexpr, WIDE: tl.constexpr):
+    if WIDE:  # elements past offset 2**31 - 1: token index x row stride in 64 bits
+        sq = sq.to(tl.int64)
+        sk = sk.to(tl.int64)
     qb = tl.program_id(0)
     h = tl.program_id(1)
     q0 = qb * BM
@@ -283,7 +289,10 @@ def _dq_tiles(dq, dlq, q, do, r_q, dlt, st_q, rows, kp, vp, lamk, lo, hi, sk, N,
 @triton.jit
 def _dq_kernel(Q, K, V, DO, LAM, ROW, DELTA, START, KSTART, DCOL, DQ, DLAM, N, NB, sq, sk, scale, sm_scale, SIZE,
                GROUPS: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-               T: tl.constexpr, PREC: tl.constexpr):
+               T: tl.constexpr, PREC: tl.constexpr, WIDE: tl.constexpr):
+    if WIDE:
+        sq = sq.to(tl.int64)
+        sk = sk.to(tl.int64)
     h = tl.program_id(1)
     q0 = tl.program_id(0) * BM
     q, do, rows, valid, offs = _block_pair(Q, DO, q0, sq, h, N, BM, D)
@@ -338,7 +347,10 @@ def _dkdv_tiles(dk, dv, dlk, k, v, lam_k, cols, qp, dop, row_p, dlt_p, START, lo
 @triton.jit
 def _dkdv_kernel(Q, K, V, DO, LAM, ROW, DELTA, START, END, QEND, DK, DV, DCOL, N, NB, sq, sk, scale,
                  sm_scale, SIZE, GROUPS: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                 T: tl.constexpr, PREC: tl.constexpr):
+                 T: tl.constexpr, PREC: tl.constexpr, WIDE: tl.constexpr):
+    if WIDE:
+        sq = sq.to(tl.int64)
+        sk = sk.to(tl.int64)
     hk = tl.program_id(1)
     k0 = tl.program_id(0) * BN
     k, v, cols, inside, offs = _block_pair(K, V, k0, sk, hk, N, BN, D)
@@ -398,7 +410,16 @@ assert all(bm % bn == 0 for bm, bn, *_ in FWD_OPTIONS + DQ_OPTIONS), "query bloc
 DKDV_OPTIONS = [(64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 4, 3), (32, 128, 8, 3), (64, 64, 4, 3),
                 (32, 64, 4, 3), (64, 128, 8, 1), (16, 128, 4, 3), (32, 128, 4, 2), (32, 64, 8, 3)]
 # tuned per head dim, GQA group and power-of-two length class (not per length: prompts vary)
-KEY = ["D", "GROUPS", "SIZE"]
+KEY = ["D", "GROUPS", "SIZE", "WIDE"]
+
+OFFSET_LIMIT = 2**31
+"""Past this many elements in q's rows (tokens x row stride) the kernels address q, k, v and their
+gradients with 64-bit offsets (WIDE): the 8B shape beyond 2M tokens over SP 4 or 1M over SP 2.
+Below it they keep 32-bit address arithmetic, as measured."""
+
+
+def _wide(q: torch.Tensor, k: torch.Tensor) -> bool:
+    return q.shape[0] * max(q.stride(0), k.stride(0)) > OFFSET_LIMIT
 
 
 def _tuned(kernel, options: list[tuple[int, int, int, int]], tune: bool):
@@ -529,7 +550,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam2: torch.Tens
     _fwd[lambda meta: (triton.cdiv(n, meta["BM"]), h)](
         Q=q, K=k, V=v, LAM=lam2, START=start, KSTART=kstart, OUT=o, LSE=lse, N=n, NB=kstart.shape[1],
         sq=q.stride(0), sk=k.stride(0), scale=sm_scale * LOG2E, SIZE=n.bit_length(), GROUPS=h // k.shape[1],
-        D=d, T=TILE, PREC=_precision(q))
+        D=d, T=TILE, PREC=_precision(q), WIDE=_wide(q, k))
     return o, lse
 
 
@@ -546,12 +567,13 @@ def _backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     n, h, d = q.shape
     hk = k.shape[1]
     nb = kstart.shape[1]
+    wide = _wide(q, k)
     delta, row = (torch.empty(h, n, dtype=torch.float32, device=q.device) for _ in range(2))
     _bwd_prep_kernel[(triton.cdiv(n, 64), h)](DO=do, OUT=o, LAM=lam2, LSE=lse, DELTA=delta, ROW=row, N=n,
-                                              sq=q.stride(0), D=d, BLOCK=64, num_warps=4)
+                                              sq=q.stride(0), D=d, BLOCK=64, WIDE=wide, num_warps=4)
     common = dict(Q=q, K=k, V=v, DO=do, LAM=lam2, ROW=row, DELTA=delta, START=start, N=n, NB=nb, sq=q.stride(0),
                   sk=k.stride(0), scale=sm_scale * LOG2E, sm_scale=sm_scale, SIZE=n.bit_length(), GROUPS=h // hk,
-                  D=d, T=TILE, PREC=_precision(q))
+                  D=d, T=TILE, PREC=_precision(q), WIDE=wide)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     # dLambda (log2 units), from the row and column sums of dS; without the row sums, which
@@ -619,9 +641,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.
         raise ValueError(f"fox attention: {h} query heads are not a multiple of {k.shape[1]} KV heads")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"fox attention takes float16/bfloat16/float32, got {q.dtype}")
-    if n * h * _padded_dim(d) > 2**31:  # (the last element's offset, n*h*d - 1, must fit: 2M tokens x 8 heads does)
-        raise ValueError(f"fox attention: {n} tokens x {h} heads x {d} dims overflow the kernels' 32-bit offsets; "
-                         "split the heads over ranks (sequence_parallel) or the tokens over sequences")
+    if n * h > 2**31:  # (Lambda and the row statistics, [H, N] fp32, keep 32-bit offsets; q/k/v go WIDE)
+        raise ValueError(f"fox attention: {n} tokens x {h} heads overflow the 32-bit offsets of Lambda [heads, "
+                         "tokens]; split the heads over ranks (sequence_parallel) or the tokens over sequences")
     sm_scale = d**-0.5 if scale is None else scale
     lam2, start, end, kstart, qend = prepare(log_f, cu_seqlens, n, h)
     tiles = None
