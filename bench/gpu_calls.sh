@@ -55,8 +55,11 @@
 #   bash bench/gpu_calls.sh x4-2       the FSDP2 64K scaling rows on all 4 GPUs, then on 2 of them: both
 #                                      ends of the ratio from one machine (the 4-GPU row's isolated steps
 #                                      took 44.5, 34.6 and 26.8 s)
-#   bash bench/gpu_calls.sh x4-3       the bisection's next step: FoX (Pro)+ACP at 2,359,296, 12 inputs
-#                                      kept (360 GiB of host in all)
+#   bash bench/gpu_calls.sh x4-3       the bisection's next step: FoX (Pro)+ACP at 2,359,296, 10 inputs
+#                                      kept (4.5 GiB each: 404 GiB of host in all); the first try stopped at
+#                                      the kernels' 32-bit offsets (now 64-bit past 2**31 elements), and would
+#                                      have met the pinned allocator's rounding (4.5 GiB taking 8; now pieces).
+#                                      Before it, the CUDA tests of both (~1-2 minutes)
 # What comes back (8 files at most): scale.tar.gz (scale.py's JSON and logs), tests*.log,
 # pipeline-*.tar.gz (bench/gpu_pipeline.sh's files), device.log. LIMIT: seconds for the whole script.
 set -uo pipefail
@@ -114,7 +117,15 @@ case $call in
   x4) LIMIT=$(left 15) LONG_SEQ=2097152 KEEP=10 MODELS=fox-sp scale millions || status=1 ;;
   x4-2) LIMIT=$(( $(left) / 2 )) scale scaling || status=1
         GPUS=2 LIMIT=$(left 10) scale scaling || status=1 ;;
-  x4-3) LIMIT=$(left 15) LONG_SEQ=2359296 KEEP=12 MODELS=fox-sp scale millions || status=1 ;;
+  x4-3) # first the CUDA tests of what 2,359,296 tokens takes: the kernels' 64-bit offsets (GPU 0) and the
+        # offload's host copies in pieces (GPU 1), side by side
+        (CUDA_VISIBLE_DEVICES=0 LONGCTX_FOX_AUTOTUNE=0 timeout -k 5 150 python3 -m pytest -q -rf -p no:cacheprovider \
+           tests/test_fox_kernel.py -k "millions or 64_bit or offsets" > "$out/tests-wide.log" 2>&1
+         echo "exit $?" >> "$out/tests-wide.log") &
+        CUDA_VISIBLE_DEVICES=1 timeout -k 5 150 python3 -m pytest -q -rf -p no:cacheprovider tests/test_gpu_train.py \
+          -k offload > "$out/tests-offload.log" 2>&1; echo "exit $?" >> "$out/tests-offload.log"
+        wait
+        LIMIT=$(left 15) LONG_SEQ=2359296 KEEP=10 MODELS=fox-sp scale millions || status=1 ;;
   *) echo "gpu_calls: give fox-one, one-512k, fox-1m, products, llamas, llama-1m, llama-one, fox-beyond, x4, x4-2 or x4-3" >&2; exit 2 ;;
 esac
 tar -C "$out" -czf "$out/scale.tar.gz" scale && rm -rf "$out/scale"

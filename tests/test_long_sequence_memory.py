@@ -124,6 +124,33 @@ def test_offloaded_block_inputs_give_the_same_loss_and_gradients():
             assert offload.events.index(("copy", k - 1)) > offload.events.index(("take", k))
 
 
+def test_host_copies_come_in_power_of_two_pieces_of_their_size():
+    """The pinned allocator rounds each allocation up to a power of two: a 4.5 GiB block input in one
+    piece took 8. In pieces it takes its size (rounded up to the smallest piece), and comes back
+    whole, a non-contiguous one too."""
+    from longctx.model.offload import PIECE, pieces
+
+    gib = 1 << 30
+    assert pieces(9 * gib // 2) == [4 * gib, gib // 2]
+    assert pieces(4 * gib) == [4 * gib] and pieces(1) == [PIECE]
+    assert pieces(3 * PIECE + 1) == [4 * PIECE]  # (rounded to the smallest piece, then split)
+    for size in (5 * PIECE + 123, 7 * PIECE, PIECE // 2):
+        parts = pieces(size)
+        assert sum(parts) == -(-size // PIECE) * PIECE and all(p & (p - 1) == 0 for p in parts)
+        assert parts == sorted(parts, reverse=True) and len(set(parts)) == len(parts)
+
+    offload = HostOffload(torch.device("cpu"), min_bytes=0)
+    gen = torch.Generator().manual_seed(0)
+    for t in (torch.randn(5 * PIECE // 4 + 25, generator=gen),  # pieces of 4 and 2 x PIECE, the last part-filled
+              torch.randn(PIECE // 8, 6, generator=gen).t()):  # non-contiguous, 2 and 1 x PIECE
+        item = offload._pack(t)
+        assert [p.numel() * 4 for p in item.host] == pieces(t.numel() * 4)
+        assert len(item.host) == 2
+        back = offload._unpack(item)
+        assert back.shape == t.shape and torch.equal(back, t)
+    assert offload.pending() == 0
+
+
 def test_the_offload_takes_tensors_of_its_device_named_with_or_without_an_index():
     from longctx.model.offload import on
 

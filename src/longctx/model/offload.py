@@ -8,12 +8,24 @@ starts (a prefetch, overlapped with this block's backward)."""
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
 
 MIN_BYTES = 1 << 20
 """Smaller saved tensors stay where they are: their copies would cost more than they free."""
+
+PIECE = 1 << 21
+"""The smallest piece of a host copy. PyTorch's pinned-memory allocator rounds every allocation up
+to a power of two, so one 4.5 GiB block input (576K tokens of the 8B shape, 2,359,296 over SP 4)
+would take 8 GiB of host memory; a copy in power-of-two pieces takes its size, rounded to this."""
+
+
+def pieces(nbytes: int, smallest: int = PIECE) -> list[int]:
+    """Power-of-two sizes, largest first, summing to `nbytes` rounded up to `smallest` (a power of two)."""
+    total = -(-nbytes // smallest) * smallest
+    return [1 << i for i in range(total.bit_length() - 1, -1, -1) if total >> i & 1]
 
 
 def on(where: torch.device, device: torch.device) -> bool:
@@ -23,14 +35,28 @@ def on(where: torch.device, device: torch.device) -> bool:
 
 
 class _OnHost:
-    """One saved tensor in host memory, the event its copy there recorded (GPU), and its copy
-    back to the device once started: (tensor, the event it waits on)."""
+    """One saved tensor in host memory (its elements in order over power-of-two `pieces`), the event
+    its copy there recorded (GPU), and its copy back to the device once started: (tensor, the event
+    it waits on)."""
 
-    __slots__ = ("host", "device", "copied", "back", "__weakref__")
+    __slots__ = ("host", "shape", "device", "copied", "back", "__weakref__")
 
-    def __init__(self, host: torch.Tensor, device: torch.device, copied: torch.cuda.Event | None):
-        self.host, self.device, self.copied = host, device, copied
+    def __init__(self, host: list[torch.Tensor], shape: torch.Size, device: torch.device,
+                 copied: torch.cuda.Event | None):
+        self.host, self.shape, self.device, self.copied = host, shape, device, copied
         self.back: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
+
+
+def _copy_pieces(flat: torch.Tensor, host: list[torch.Tensor], to_host: bool) -> None:
+    """flat [elements] to (`to_host`) or from the host pieces, in order; the last piece may be longer."""
+    start = 0
+    for piece in host:
+        n = min(piece.numel(), flat.numel() - start)
+        if to_host:
+            piece[:n].copy_(flat[start:start + n], non_blocking=True)
+        else:
+            flat[start:start + n].copy_(piece[:n], non_blocking=True)
+        start += n
 
 
 class HostOffload:
@@ -51,18 +77,16 @@ class HostOffload:
     def _pack(self, t: torch.Tensor) -> torch.Tensor | _OnHost:
         if not on(t.device, self.device) or t.numel() * t.element_size() < self.min_bytes:
             return t
-        host = torch.empty_like(t, device="cpu", pin_memory=self.stream is not None)
-        copied = None
-        if self.stream is None:
-            host.copy_(t)
-        else:
+        host = [torch.empty(size // t.element_size(), dtype=t.dtype, pin_memory=self.stream is not None)
+                for size in pieces(t.numel() * t.element_size())]
+        if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))  # t is complete
-            with torch.cuda.stream(self.stream):
-                host.copy_(t, non_blocking=True)
-                copied = torch.cuda.Event()
-                copied.record(self.stream)
+        with self._side():
+            _copy_pieces(t.reshape(-1), host, to_host=True)
+            copied = self._event()
+        if self.stream is not None:
             t.record_stream(self.stream)  # its memory is not reused before the copy is done
-        item = _OnHost(host, t.device, copied)
+        item = _OnHost(host, t.shape, t.device, copied)
         self._saved = [r for r in self._saved if r() is not None] + [weakref.ref(item)]
         return item
 
@@ -89,14 +113,23 @@ class HostOffload:
     def _start_back(self, item: _OnHost) -> None:
         if item.back is not None:
             return
-        if self.stream is None:
-            item.back = (item.host.to(item.device, copy=True), None)
-            return
-        with torch.cuda.stream(self.stream):  # after its copy to the host, on the same stream
-            t = item.host.to(item.device, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record(self.stream)
+        with self._side():  # (on a GPU after its copy to the host, on the same stream)
+            t = torch.empty(item.shape, dtype=item.host[0].dtype, device=item.device)
+            _copy_pieces(t.view(-1), item.host, to_host=False)
+            ready = self._event()
         item.back = (t, ready)
+
+    def _side(self) -> contextlib.AbstractContextManager:
+        """The copies' stream (on a GPU; on a CPU they run where they are called)."""
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+
+    def _event(self) -> torch.cuda.Event | None:
+        """An event recorded on the copies' stream, what later work waits for (none on a CPU)."""
+        if self.stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
 
     def pending(self) -> int:
         """Saved tensors on the host not yet taken back."""
