@@ -149,19 +149,24 @@ def run_setting(name: str, args, base_par) -> dict:
 
 def scaling(results: list[dict]) -> list[dict]:
     """Scaling efficiency per setting: tokens/s/GPU at each world size over that at the smallest
-    world size measured (runs of one setting must share shape and sequence length)."""
-    by_setting: dict[tuple, list[tuple[int, float]]] = {}
+    world size measured (runs of one setting must share shape and sequence length). Each world
+    size deals its own documents, so the timed draws' attention density differs between them: the
+    executed-MFU ratio (`mfu_efficiency`, GPUs only) is the efficiency with that taken out."""
+    by_setting: dict[tuple, list[tuple[int, dict]]] = {}
     for res in results:
         for r in res["rows"]:
             if "tokens_per_s_per_gpu" in r:
-                key = (r["setting"], res["shape"], r["seq"])
-                by_setting.setdefault(key, []).append((res["world"], r["tokens_per_s_per_gpu"]))
+                by_setting.setdefault((r["setting"], res["shape"], r["seq"]), []).append((res["world"], r))
     out = []
     for (setting, shape, seq), runs in sorted(by_setting.items()):
-        base_world, base = min(runs)
-        for world, speed in sorted(runs):
+        runs.sort(key=lambda run: run[0])
+        base_world, base = runs[0]
+        for world, r in runs:
+            mfu = round(r["mfu"] / base["mfu"], 3) if "mfu" in r and "mfu" in base else None
             out.append({"setting": setting, "shape": shape, "seq": seq, "world": world,
-                        "tokens_per_s_per_gpu": speed, "efficiency": round(speed / base, 3), "base_world": base_world})
+                        "tokens_per_s_per_gpu": r["tokens_per_s_per_gpu"],
+                        "efficiency": round(r["tokens_per_s_per_gpu"] / base["tokens_per_s_per_gpu"], 3),
+                        "mfu_efficiency": mfu, "timed_density": r.get("timed_density"), "base_world": base_world})
     return out
 
 
@@ -189,10 +194,12 @@ def long_vs_short(results: list[dict]) -> list[dict]:
 
 def compare(paths: list[Path]) -> None:
     results = [json.loads(p.read_text()) for p in paths]
-    print(f"{'setting':<9} {'seq':>7} {'GPUs':>5} {'tokens/s/GPU':>13} {'efficiency':>11}")
+    print(f"{'setting':<9} {'seq':>7} {'GPUs':>5} {'tokens/s/GPU':>13} {'efficiency':>14} {'MFU ratio':>9} "
+          f"{'density':>7}")
     for r in scaling(results):
         print(f"{r['setting']:<9} {r['seq']:>7} {r['world']:>5} {r['tokens_per_s_per_gpu']:>13} "
-              f"{r['efficiency']:>8} vs {r['base_world']}")
+              f"{r['efficiency']:>8} vs {r['base_world']:<3} {r['mfu_efficiency'] or '-':>9} "
+              f"{r['timed_density'] or '-':>7}")
     print(f"\n{'setting':<9} {'GPUs':>5} {'seq':>7} {'tokens/s/GPU':>13} {'vs seq':>7} {'tokens/s/GPU':>13} "
           f"{'ratio':>6} {'FLOP-adjusted':>14}")
     for r in long_vs_short(results):

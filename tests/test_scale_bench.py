@@ -60,6 +60,7 @@ def test_two_ranks_report_every_setting_and_match_one_process(tmp_path):
     assert eff[1]["efficiency"] == 1.0
     ratio = rows["sp"]["tokens_per_s_per_gpu"] / one["rows"][0]["tokens_per_s_per_gpu"]
     assert eff[2]["efficiency"] == pytest.approx(ratio, abs=5e-4)  # rounded to 3 decimals
+    assert eff[2]["timed_density"] == rows["sp"]["timed_density"] and eff[2]["mfu_efficiency"] is None  # (no GPU)
     shown = subprocess.run([sys.executable, "bench/scale.py", "--compare", *map(str, tmp_path.glob("*/scale-*.json"))],
                            cwd=REPO, capture_output=True, text=True, check=True).stdout
     assert "efficiency" in shown and "fox-fsdp" in shown
@@ -139,3 +140,18 @@ def test_block_memory_lists_what_is_live_at_the_peak_by_site():
     later = events + [{"action": "alloc", "addr": 5, "size": 90, "frames": [ours]}]  # 50 + 60 + 90 live
     peak, live = live_at_peak(later)
     assert peak == 200 and sorted(size for size, _ in live) == [50, 60, 90]
+
+
+def test_scaling_sets_the_mfu_ratio_beside_the_throughput_ratio():
+    """Each world size times its own draws: 4 GPUs' denser documents cost more attention per token,
+    which the executed-MFU ratio takes out (an H200 pair: 0.768 by tokens/s, 0.826 by MFU)."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from scale import scaling
+
+    def run(world, speed, mfu, dens):
+        return {"world": world, "shape": "llama3-8b", "rows": [{"setting": "fsdp", "seq": 65536, "mfu": mfu,
+                                                              "tokens_per_s_per_gpu": speed, "timed_density": dens}]}
+
+    rows = scaling([run(4, 4373.4, 0.2863, 0.3826), run(2, 5694.5, 0.3466, 0.2943)])
+    assert [(r["world"], r["efficiency"], r["mfu_efficiency"], r["timed_density"]) for r in rows] == \
+        [(2, 1.0, 1.0, 0.2943), (4, 0.768, 0.826, 0.3826)]
