@@ -44,7 +44,9 @@
 #                                      (source bench/gpu_env.sh before starting either: two first installs
 #                                      of the wheels into one folder at once would clash)
 #   bash bench/gpu_calls.sh fox-beyond GPUs 0-1: FoX (Pro)+ACP at 1,114,112 with host offload (beyond 1M;
-#                                      1M's steps took 240 s and 91 s: one call)
+#                                      1M's steps took 240 s and 91 s: one call). Needs what 2,359,296 on 4
+#                                      GPUs needed: 64-bit kernel offsets (16 heads x 1,114,112 x 128 > 2**31)
+#                                      and host copies in pieces (4.25 GiB inputs: 26 of them, 110 GiB a process)
 # On 4 x H200 (nvidia-h200-x4, 512 GiB of host memory, issue 36), one call each, each within a device
 # command's 10 minutes and writing straight to $OUT (a detached run is lost with the machine when a
 # reply is late: 30 s idle; on 2026-11-28 one was lost after a transient API error, 540 s of waiting):
