@@ -22,6 +22,8 @@ at the attention output of checkpoints/tiny-base's layers on this repository's t
 if both fail, cuDNN is (PyTorch issue #150700).
 
     python bench/cudnn_grads.py --out bench/results        (one CUDA GPU, about a minute)
+    python bench/cudnn_grads.py --heads 32 8 --lengths 8192 4096 37 4096 900 --regimes unit peaked sinks
+                                (the 8B's heads over documents as the gpu-64k base saw them)
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ REPO = Path(__file__).resolve().parent.parent
 BASE = REPO / "checkpoints" / "tiny-base"
 LENGTHS = [2600, 37, 1400, 59, 1400, 700]
 """Documents past LONG_DOC beside short ones, two of one length (one cached cuDNN graph)."""
+REGIMES = ("unit", "peaked", "sinks")
+"""The synthetic input regimes (`tiny-base` is captured from a checkpoint)."""
 Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 """q [N, H, D], k and v [N, Hkv, D], the upstream gradient [N, H, D] (all fp32), cu_seqlens."""
 
@@ -64,7 +68,7 @@ def synthetic(regime: str, lengths: list[int], heads: tuple[int, int], d: int, d
         u = F.normalize(torch.randn(d, generator=gen, device=device), dim=0)
         q = q + 4.0 * u
         k[cu[:-1].long()] += 30 * math.sqrt(d) / 4.0 * u  # q_i.k_first / sqrt(d) ~ 30, the others' std ~ 8
-    elif regime not in ("unit", "peaked"):
+    elif regime not in REGIMES:
         raise ValueError(f"regime {regime!r} is not unit, peaked or sinks")
     return q, k, v, g, cu
 
@@ -132,9 +136,7 @@ def errors(inputs: Inputs, variants: dict[str, Callable], dtype: torch.dtype = t
     """Per variant: relative error by norm of out, dq, dk, dv against the fp64 reference, and the
     cosine of each gradient with the reference's; a variant that raises gets its error message."""
     q, k, v, g, cu = inputs
-    ref_leaves = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
-    ref = attention.reference(*ref_leaves, cu)
-    ref_grads = torch.autograd.grad(ref, ref_leaves, g.double())
+    ref, ref_grads = fp64_reference(q, k, v, g, cu)
     probs = attention_weights(q.double(), k.double(), cu)
     rows = {"_inputs": {"tokens": q.shape[0], "heads": [q.shape[1], k.shape[1]], "head_dim": q.shape[2],
                         "top_weight": round(float(probs.amax(-1).mean()), 4),
@@ -153,6 +155,29 @@ def errors(inputs: Inputs, variants: dict[str, Callable], dtype: torch.dtype = t
             row[f"cos_d{which}"] = round(F.cosine_similarity(a.double().flatten(), b.flatten(), dim=0).item(), 5)
         rows[name] = row
     return rows
+
+
+def fp64_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                   cu: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """out and (dq, dk, dv) in fp64, one document and one KV head (with its query heads) at a time:
+    document masking makes attention block-diagonal, and a dense [H, N, N] over 8B-shaped heads and
+    thousands of tokens would not fit (32 heads x 16K tokens: 69 GB a copy)."""
+    out = torch.zeros(q.shape, dtype=torch.float64, device=q.device)
+    grads = tuple(torch.zeros(t.shape, dtype=torch.float64, device=q.device) for t in (q, k, v))
+    groups = q.shape[1] // k.shape[1]
+    bounds = cu.tolist()
+    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+        one = torch.tensor([0, b - a], dtype=cu.dtype, device=cu.device)
+        for j in range(k.shape[1]):
+            spans = (slice(j * groups, (j + 1) * groups), slice(j, j + 1), slice(j, j + 1))  # q, k, v heads
+            leaves = [t[a:b, span].detach().double().requires_grad_(True)
+                      for t, span in zip((q, k, v), spans, strict=True)]
+            o = attention.reference(*leaves, one)
+            parts = torch.autograd.grad(o, leaves, g[a:b, spans[0]].double())
+            for full, span, part in zip(grads, spans, parts, strict=True):
+                full[a:b, span] = part
+            out[a:b, spans[0]] = o.detach()
+    return out, grads
 
 
 def attention_weights(q: torch.Tensor, k: torch.Tensor, cu: torch.Tensor, rows: int = 64) -> torch.Tensor:
@@ -193,23 +218,36 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     ap.add_argument("--heads", type=int, nargs=2, default=[8, 2], help="query and KV heads (the 8B's ratio)")
     ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--lengths", type=int, nargs="+", default=LENGTHS, help="the synthetic regimes' documents")
+    ap.add_argument("--long-doc", type=int, default=cudnn_attention.LONG_DOC, help="documents of at least this "
+                    "many tokens take cuDNN in the synthetic regimes (the model's routing: 1024)")
+    ap.add_argument("--regimes", nargs="+", default=[*REGIMES, "tiny-base"], choices=[*REGIMES, "tiny-base"])
     ap.add_argument("--base", type=Path, default=BASE, help="a trained checkpoint for the tiny-base regime")
     ap.add_argument("--layer", type=int, default=3, help="the tiny base's most peaked layer (top weight 0.29)")
     args = ap.parse_args()
+    if min(args.lengths) < 1 or args.long_doc < 1:
+        ap.error(f"--lengths {args.lengths} and --long-doc {args.long_doc}: token counts of at least 1")
+    if args.heads[1] < 1 or args.heads[0] % args.heads[1]:
+        ap.error(f"--heads {args.heads}: the query heads must be a multiple of the KV heads")
     if not torch.cuda.is_available():
         raise SystemExit("cudnn_grads: needs a CUDA GPU (cuDNN's attention and FlashAttention-2)")
     dev = torch.device("cuda")
-    results = {r: errors(synthetic(r, LENGTHS, tuple(args.heads), args.head_dim, dev), VARIANTS)
-               for r in ("unit", "peaked", "sinks")}
-    # the tiny base was trained at 512 tokens: documents within it, and LONG_DOC lowered so they take cuDNN
-    cudnn_attention.LONG_DOC = 128
+    default_long = cudnn_attention.LONG_DOC
+    results = {}
     try:
-        results["tiny-base"] = errors(captured(args.base, [512, 37, 300, 512, 90, 450], dev, args.layer), VARIANTS)
+        cudnn_attention.LONG_DOC = args.long_doc
+        for r in (r for r in args.regimes if r in REGIMES):
+            results[r] = errors(synthetic(r, args.lengths, tuple(args.heads), args.head_dim, dev), VARIANTS)
+        if "tiny-base" in args.regimes:  # trained at 512 tokens: documents within it, routed to cuDNN from 128
+            cudnn_attention.LONG_DOC = 128
+            results["tiny-base"] = errors(captured(args.base, [512, 37, 300, 512, 90, 450], dev, args.layer),
+                                          VARIANTS)
     finally:
-        cudnn_attention.LONG_DOC = 1024
+        cudnn_attention.LONG_DOC = default_long
     print(table(results))
-    write_result(args.out, "cudnn_grads", {"lengths": LENGTHS, "heads": args.heads, "head_dim": args.head_dim,
-                                           "cudnn": torch.backends.cudnn.version(), "regimes": results})
+    write_result(args.out, "cudnn_grads", {"lengths": args.lengths, "long_doc": args.long_doc, "heads": args.heads,
+                                           "head_dim": args.head_dim, "cudnn": torch.backends.cudnn.version(),
+                                           "regimes": results})
 
 
 if __name__ == "__main__":

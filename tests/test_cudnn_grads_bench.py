@@ -91,3 +91,25 @@ def test_torch_cudnn_routes_as_the_wrapper(monkeypatch):
     assert max(row[k] for k in ("out", "dq", "dk", "dv")) < 1e-4
     monkeypatch.setattr(cudnn_attention, "LONG_DOC", 200)
     assert "error" in cudnn_grads.errors(inputs, variant, torch.float32)["torch_cudnn"]
+
+
+def test_the_per_document_reference_is_the_dense_one():
+    """The fp64 reference goes one document and one KV head at a time (a dense [H, N, N] over the
+    8B's heads and 16K tokens would be 69 GB): the same out and gradients as one dense call."""
+    q, k, v, g, cu = cudnn_grads.synthetic("peaked", [90, 7, 130], (6, 2), 16, CPU)
+    out, grads = cudnn_grads.fp64_reference(q, k, v, g, cu)
+    leaves = [t.double().requires_grad_(True) for t in (q, k, v)]
+    dense = attention.reference(*leaves, cu)
+    torch.testing.assert_close(out, dense.detach(), rtol=1e-12, atol=1e-12)
+    for got, want in zip(grads, torch.autograd.grad(dense, leaves, g.double()), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("args,field", [(["--heads", "6", "4"], "--heads"), (["--lengths", "0", "9"], "--lengths"),
+                                        (["--regimes", "trained"], "--regimes")])
+def test_impossible_arguments_are_refused_by_name(args, field, tmp_path):
+    import subprocess
+
+    done = subprocess.run([sys.executable, "bench/cudnn_grads.py", *args, "--out", str(tmp_path)], cwd=REPO,
+                          capture_output=True, text=True)
+    assert done.returncode == 2 and field in done.stderr and not list(tmp_path.iterdir())
