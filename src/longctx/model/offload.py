@@ -35,28 +35,25 @@ def on(where: torch.device, device: torch.device) -> bool:
 
 
 class _OnHost:
-    """One saved tensor in host memory (its elements in order over power-of-two `pieces`), the event
-    its copy there recorded (GPU), and its copy back to the device once started: (tensor, the event
-    it waits on)."""
+    """One saved tensor in host memory (its elements in order over power-of-two `pieces`), and its
+    copy back to the device once started: (tensor, the event it waits on). The copy back queues on
+    the stream of the copy there, so nothing else orders the two."""
 
-    __slots__ = ("host", "shape", "device", "copied", "back", "__weakref__")
+    __slots__ = ("host", "shape", "device", "back", "__weakref__")
 
-    def __init__(self, host: list[torch.Tensor], shape: torch.Size, device: torch.device,
-                 copied: torch.cuda.Event | None):
-        self.host, self.shape, self.device, self.copied = host, shape, device, copied
+    def __init__(self, host: list[torch.Tensor], shape: torch.Size, device: torch.device):
+        self.host, self.shape, self.device = host, shape, device
         self.back: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
 
 
-def _copy_pieces(flat: torch.Tensor, host: list[torch.Tensor], to_host: bool) -> None:
-    """flat [elements] to (`to_host`) or from the host pieces, in order; the last piece may be longer."""
-    start = 0
+def _spans(flat: torch.Tensor, host: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(elements of flat, the host piece's start that holds them), in order; the last piece may be longer."""
+    out, start = [], 0
     for piece in host:
         n = min(piece.numel(), flat.numel() - start)
-        if to_host:
-            piece[:n].copy_(flat[start:start + n], non_blocking=True)
-        else:
-            flat[start:start + n].copy_(piece[:n], non_blocking=True)
+        out.append((flat[start:start + n], piece[:n]))
         start += n
+    return out
 
 
 class HostOffload:
@@ -82,11 +79,11 @@ class HostOffload:
         if self.stream is not None:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))  # t is complete
         with self._side():
-            _copy_pieces(t.reshape(-1), host, to_host=True)
-            copied = self._event()
+            for part, piece in _spans(t.reshape(-1), host):
+                piece.copy_(part, non_blocking=True)
         if self.stream is not None:
             t.record_stream(self.stream)  # its memory is not reused before the copy is done
-        item = _OnHost(host, t.shape, t.device, copied)
+        item = _OnHost(host, t.shape, t.device)
         self._saved = [r for r in self._saved if r() is not None] + [weakref.ref(item)]
         return item
 
@@ -115,21 +112,17 @@ class HostOffload:
             return
         with self._side():  # (on a GPU after its copy to the host, on the same stream)
             t = torch.empty(item.shape, dtype=item.host[0].dtype, device=item.device)
-            _copy_pieces(t.view(-1), item.host, to_host=False)
-            ready = self._event()
+            for part, piece in _spans(t.view(-1), item.host):
+                part.copy_(piece, non_blocking=True)
+        ready = None
+        if self.stream is not None:  # what the compute stream waits on before reading t
+            ready = torch.cuda.Event()
+            ready.record(self.stream)
         item.back = (t, ready)
 
     def _side(self) -> contextlib.AbstractContextManager:
         """The copies' stream (on a GPU; on a CPU they run where they are called)."""
         return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
-
-    def _event(self) -> torch.cuda.Event | None:
-        """An event recorded on the copies' stream, what later work waits for (none on a CPU)."""
-        if self.stream is None:
-            return None
-        event = torch.cuda.Event()
-        event.record(self.stream)
-        return event
 
     def pending(self) -> int:
         """Saved tensors on the host not yet taken back."""
