@@ -3,7 +3,9 @@ and, for FoX, log f) at T in {4K, 16K, 64K}, D in {64, 128}, heads x D = 2048, b
   fa2         F.scaled_dot_product_attention(is_causal=True) on its FlashAttention-2 backend: the
               yardstick of the targets (the issue's and the FoX paper's)
   cudnn       the same on its cuDNN backend: what SDPA picks by itself on an H100/H200 with torch
-              2.11 and what our Transformers train with, ~1.5 x faster than FlashAttention-2 here
+              2.11, ~1.5 x faster than FlashAttention-2 here
+  cudnn_doc   our 'cudnn' backend's wrapper (model/cudnn_attention.py) on the same document: the same
+              kernel through graphs of its own (a batch stride no other caller has, issue 32)
   fla         fla-core's parallel_forgetting_attn, the peer FoX kernel (when installed)
   fox         our Triton kernel, every tile computed
   fox_acp     our kernel with Adaptive Computation Pruning (eps = e^-10), and its kept-tile fraction
@@ -32,6 +34,7 @@ import torch.nn.functional as F
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from longctx.model import cudnn_attention
 from longctx.model.fox import Acp
 from longctx.model.fox import kernel as fox_kernel
 from longctx.model.fox.kernel import fox_attention
@@ -117,6 +120,11 @@ def runners(t: int, d: int, q, k, v, log_f, do, acp: Acp):
 
         return run
 
+    doc_plan = cudnn_attention.plan([0, t], q.device)  # made once, as a training step's forward does
+
+    def cudnn_doc():
+        return torch.autograd.grad(cudnn_attention.attend(q, k, v, cu, doc_plan), (q, k, v), do)
+
     def fox():
         return torch.autograd.grad(fox_attention(q, k, v, cu, log_f), (q, k, v, log_f), do)
 
@@ -124,7 +132,8 @@ def runners(t: int, d: int, q, k, v, log_f, do, acp: Acp):
         o = fox_attention(q, k, v, cu, log_f, acp=acp, logit_bound=math.sqrt(d))
         return torch.autograd.grad(o, (q, k, v, log_f), do)
 
-    out = {name: sdpa(backend) for name, backend in YARDSTICKS.items()} | {"fox": fox, "fox_acp": fox_acp}
+    out = {name: sdpa(backend) for name, backend in YARDSTICKS.items()} | {"cudnn_doc": cudnn_doc, "fox": fox,
+                                                                           "fox_acp": fox_acp}
     try:
         from fla.ops.forgetting_attn import parallel_forgetting_attn
     except ImportError as e:
@@ -216,19 +225,21 @@ def main() -> None:
                     fn()
                     row["kept_fraction"] = 1 - acp.stats.pruned_fraction()
                 torch.cuda.empty_cache()
-            for name, base in itertools.product(("fla", "fox", "fox_acp"), YARDSTICKS):
+            for name, base in itertools.product(("cudnn_doc", "fla", "fox", "fox_acp"), YARDSTICKS):
                 if f"{name}_ms" in row:
                     row[f"{name}_vs_{base}"] = row[f"{name}_ms"] / row[f"{base}_ms"]
             rows.append(row)
             print({k_: round(x, 3) if isinstance(x, float) else x for k_, x in row.items()}, flush=True)
             write_result(args.out, result, {"rows": rows, "triton": triton.__version__}, quiet=True)  # kept if cut
 
-    print(f"{'T':>6} {'D':>4} {'fa2 ms':>8} {'cudnn ms':>8} {'fla ms':>8} {'fox ms':>8} {'acp ms':>8} {'kept':>6} "
-          f"{'fla/fa2':>8} {'fox/fa2':>8} {'acp/fa2':>8} {'fox/cud':>8} {'acp/cud':>8} {'1st s':>6}")
+    print(f"{'T':>6} {'D':>4} {'fa2 ms':>8} {'cudnn ms':>8} {'doc ms':>8} {'fla ms':>8} {'fox ms':>8} {'acp ms':>8} "
+          f"{'kept':>6} {'fla/fa2':>8} {'fox/fa2':>8} {'acp/fa2':>8} {'doc/cud':>8} {'fox/cud':>8} {'acp/cud':>8} "
+          f"{'1st s':>6}")
     for r in rows:
-        cells = [cell(r, f"{key}_ms") for key in ("fa2", "cudnn", "fla", "fox", "fox_acp")]
+        cells = [cell(r, f"{key}_ms") for key in ("fa2", "cudnn", "cudnn_doc", "fla", "fox", "fox_acp")]
         cells += [cell(r, "kept_fraction", 6)] + [cell(r, f"{key}_vs_fa2") for key in ("fla", "fox", "fox_acp")]
-        cells += [cell(r, f"{key}_vs_cudnn") for key in ("fox", "fox_acp")] + [cell(r, "fox_first_call_s", 6)]
+        cells += [cell(r, f"{key}_vs_cudnn") for key in ("cudnn_doc", "fox", "fox_acp")]
+        cells += [cell(r, "fox_first_call_s", 6)]
         print(f"{r['T']:>6} {r['D']:>4} " + " ".join(cells))
     verdicts = {}
     for ((name, t), limit), base in itertools.product(TARGETS.items(), YARDSTICKS):

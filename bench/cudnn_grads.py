@@ -8,8 +8,7 @@ q/k/v gradients, in bf16, in four ways on the same documents and the same upstre
 against the fp64 reference (relative error by norm):
 
   wrapper      model/cudnn_attention.py (documents of >= LONG_DOC tokens dense cuDNN, padded to a
-               plan size; the rest FlashAttention-2), run first and again after torch_cudnn (the
-               graphs cuDNN caches are keyed by q/k/v alone)
+               plan size; the rest FlashAttention-2)
   torch_cudnn  PyTorch's own cuDNN path: per document F.scaled_dot_product_attention under
                sdpa_kernel(CUDNN_ATTENTION), autograd's backward
   varlen       FlashAttention-2's varlen kernel (the backend the Transformer trains with)
@@ -19,11 +18,17 @@ in input regimes a trained model is in and random unit inputs are not: `peaked` 
 document's first token, as trained LMs put it), `tiny-base` (q, k, v and the loss's gradient
 at the attention output of checkpoints/tiny-base's layers on this repository's text), beside
 `unit`. If torch_cudnn matches the reference where the wrapper does not, the wrapper is wrong;
-if both fail, cuDNN is (PyTorch issue #150700).
+if both fail, cuDNN is (PyTorch issue #150700). They run in one process, in --order (default:
+the wrapper, PyTorch's path, FlashAttention-2, the wrapper again): PyTorch caches cuDNN's graphs
+keyed by q/k/v sizes and strides alone but builds the output gradient's strides into the backward
+graph, so a second caller of one key with another gradient layout runs the first's graph.
+--shared-keys takes away the batch stride that keeps the wrapper's graphs its own (as it was
+before issue 32's fix) to show that collision: `--regimes tiny-base --order torch_cudnn wrapper`.
 
     python bench/cudnn_grads.py --out bench/results        (one CUDA GPU, about a minute)
     python bench/cudnn_grads.py --heads 32 8 --lengths 8192 4096 37 4096 900 --regimes unit peaked sinks
                                 (the 8B's heads over documents as the gpu-64k base saw them)
+    python bench/cudnn_grads.py --regimes tiny-base --order torch_cudnn wrapper [--shared-keys]
 """
 
 from __future__ import annotations
@@ -128,8 +133,18 @@ def torch_cudnn(q, k, v, cu_seqlens, scale=None):
 
 
 VARIANTS: dict[str, Callable] = {"wrapper": cudnn_attention.attend, "torch_cudnn": torch_cudnn,
-                                 "varlen": attention.varlen, "wrapper_after_torch": cudnn_attention.attend}
-"""Run in this order: the wrapper again after PyTorch's path has filled cuDNN's graph caches."""
+                                 "varlen": attention.varlen}
+ORDER = ["wrapper", "torch_cudnn", "varlen", "wrapper"]
+"""The wrapper again after PyTorch's path has filled cuDNN's graph caches."""
+
+
+def ordered(names: list[str]) -> dict[str, Callable]:
+    """The variants in this order, a repeat labelled by its count (wrapper, ..., wrapper_2)."""
+    out: dict[str, Callable] = {}
+    for i, name in enumerate(names):
+        seen = names[:i].count(name)
+        out[f"{name}_{seen + 1}" if seen else name] = VARIANTS[name]
+    return out
 
 
 def errors(inputs: Inputs, variants: dict[str, Callable], dtype: torch.dtype = torch.bfloat16) -> dict[str, dict]:
@@ -224,6 +239,10 @@ def main() -> None:
     ap.add_argument("--regimes", nargs="+", default=[*REGIMES, "tiny-base"], choices=[*REGIMES, "tiny-base"])
     ap.add_argument("--base", type=Path, default=BASE, help="a trained checkpoint for the tiny-base regime")
     ap.add_argument("--layer", type=int, default=3, help="the tiny base's most peaked layer (top weight 0.29)")
+    ap.add_argument("--order", nargs="+", default=ORDER, choices=list(VARIANTS), help="the variants, run in this "
+                    "order in one process (a name may repeat)")
+    ap.add_argument("--shared-keys", action="store_true", help="the wrapper's tensors without a batch stride of "
+                    "their own, as before issue 32's fix: PyTorch's path and the wrapper share cached cuDNN graphs")
     args = ap.parse_args()
     if min(args.lengths) < 1 or args.long_doc < 1:
         ap.error(f"--lengths {args.lengths} and --long-doc {args.long_doc}: token counts of at least 1")
@@ -232,21 +251,24 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("cudnn_grads: needs a CUDA GPU (cuDNN's attention and FlashAttention-2)")
     dev = torch.device("cuda")
-    default_long = cudnn_attention.LONG_DOC
-    results = {}
+    default_long, private = cudnn_attention.LONG_DOC, cudnn_attention._private
+    variants, results = ordered(args.order), {}
     try:
         cudnn_attention.LONG_DOC = args.long_doc
+        if args.shared_keys:
+            cudnn_attention._private = lambda t: t
         for r in (r for r in args.regimes if r in REGIMES):
-            results[r] = errors(synthetic(r, args.lengths, tuple(args.heads), args.head_dim, dev), VARIANTS)
+            results[r] = errors(synthetic(r, args.lengths, tuple(args.heads), args.head_dim, dev), variants)
         if "tiny-base" in args.regimes:  # trained at 512 tokens: documents within it, routed to cuDNN from 128
             cudnn_attention.LONG_DOC = 128
             results["tiny-base"] = errors(captured(args.base, [512, 37, 300, 512, 90, 450], dev, args.layer),
-                                          VARIANTS)
+                                          variants)
     finally:
-        cudnn_attention.LONG_DOC = default_long
+        cudnn_attention.LONG_DOC, cudnn_attention._private = default_long, private
     print(table(results))
     write_result(args.out, "cudnn_grads", {"lengths": args.lengths, "long_doc": args.long_doc, "heads": args.heads,
                                            "head_dim": args.head_dim, "cudnn": torch.backends.cudnn.version(),
+                                           "order": args.order, "shared_keys": args.shared_keys,
                                            "regimes": results})
 
 

@@ -106,10 +106,16 @@ def test_the_per_document_reference_is_the_dense_one():
 
 
 @pytest.mark.parametrize("args,field", [(["--heads", "6", "4"], "--heads"), (["--lengths", "0", "9"], "--lengths"),
-                                        (["--regimes", "trained"], "--regimes")])
+                                        (["--regimes", "trained"], "--regimes"), (["--order", "cudnn"], "--order")])
 def test_impossible_arguments_are_refused_by_name(args, field, tmp_path):
     import subprocess
 
     done = subprocess.run([sys.executable, "bench/cudnn_grads.py", *args, "--out", str(tmp_path)], cwd=REPO,
                           capture_output=True, text=True)
     assert done.returncode == 2 and field in done.stderr and not list(tmp_path.iterdir())
+
+
+def test_the_order_runs_each_variant_as_named_and_labels_repeats():
+    got = cudnn_grads.ordered(["torch_cudnn", "wrapper", "torch_cudnn", "wrapper", "wrapper"])
+    assert list(got) == ["torch_cudnn", "wrapper", "torch_cudnn_2", "wrapper_2", "wrapper_3"]
+    assert got["wrapper_3"] is cudnn_grads.VARIANTS["wrapper"] and got["torch_cudnn_2"] is cudnn_grads.torch_cudnn

@@ -185,6 +185,24 @@ def test_cudnn_plan_routes_documents_by_length():
     assert all(n <= ca.padded_length(n) < 1.13 * n for n in range(1024, 65537))
 
 
+@pytest.mark.parametrize("length, padded, heads", [(640, 640, 4), (600, 640, 4), (640, 640, 8)])
+def test_cudnn_documents_carry_a_batch_stride_no_other_caller_has(length, padded, heads):
+    """A document's dense [1, H, L, D] view holds its rows (zero rows after, grouped heads repeated),
+    and its batch stride is none that a contiguous tensor or a view of packed rows has: PyTorch's
+    cuDNN graph cache keys on q/k/v strides alone, so that stride keeps our graphs apart from
+    F.scaled_dot_product_attention's, whose gradient layout differs (issue 32)."""
+    from longctx.model import cudnn_attention as ca
+
+    t = torch.randn(1000, 4, 16)
+    dense = ca._dense(t, 300, length, padded, heads)
+    want = t[300:300 + length].repeat_interleave(heads // 4, dim=1)
+    want = torch.cat((want, want.new_zeros(padded - length, heads, 16))).transpose(0, 1)[None]
+    assert torch.equal(dense, want)
+    natural = {want.contiguous().stride(0), want.stride(0), t.stride(0) * t.shape[0], heads * 16}
+    assert dense.stride(0) not in natural and dense.stride()[1:] == want.stride()[1:]
+    assert dense.stride(0) % 8 == 0  # 16-byte aligned in bf16, as cuDNN's tensor maps need
+
+
 def test_doc_cumsum_restarts_at_every_document_with_its_gradient():
     torch.manual_seed(0)
     log_f = F.logsigmoid(torch.randn(40, 3, dtype=torch.float64)).requires_grad_(True)

@@ -66,7 +66,19 @@ def _dense(t: torch.Tensor, start: int, length: int, padded: int, heads: int) ->
         rows = rows.repeat_interleave(heads // rows.shape[1], dim=1)
     if padded != length:
         rows = torch.cat((rows, rows.new_zeros(padded - length, *rows.shape[1:])))
-    return rows.transpose(0, 1)[None]
+    return _private(rows.transpose(0, 1)[None])
+
+
+def _private(t: torch.Tensor) -> torch.Tensor:
+    """t [1, H, L, D] with a batch stride no other caller's tensors have (one block and 8 elements).
+
+    PyTorch caches cuDNN's attention graphs keyed by the q/k/v sizes and strides alone, yet
+    builds the output's gradient strides into the backward graph. F.scaled_dot_product_attention
+    (which picks cuDNN on Hopper) passes its autograd's contiguous [1, H, L, D] gradient where we
+    pass [L, H, D] rows: on q/k/v of one key, whichever built the graph first got right
+    gradients and the other wrong ones (issue 32's -0.17 cosine: bench/backend_grads.py ran
+    sdpa first). The batch holds one entry, so its stride addresses nothing."""
+    return t.as_strided(t.shape, (t.numel() + 8, *t.stride()[1:]))
 
 
 def _grouped(grad: torch.Tensor, heads: int) -> torch.Tensor:
