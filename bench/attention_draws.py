@@ -15,10 +15,14 @@ With --steps (scale.py's JSON of both models at this shape and length), each dra
 estimated as a measured step with its attention swapped: step + layers x (a(draw) - a(timed
 draw)); the first step (draw 0, compilation included) less its estimate is what compiling cost,
 a check of the swap when both models give about the same. Printed: the table and the ratio of
-the models' total time over all draws (the same tokens).
+the models' total time over all draws (the same tokens). --backends times the Transformer on
+several attention backends side by side (the first is "Transformer", the others "Transformer
+(name)"); each gets its estimates from the measured step with the attention of the backend that
+step ran with (its row's `attention`, else --steps-attention) swapped for its own.
 
     python bench/attention_draws.py --seq 1048576 --sp 2 --draws 12 \\
         --steps bench/results/scale-2gpu-*1024k-offload-halves-keep6-*.json
+    python bench/attention_draws.py --backends cudnn varlen --steps-attention varlen --steps ...
 """
 
 from __future__ import annotations
@@ -37,21 +41,20 @@ from longctx.model.transformer import Transformer, packed_positions
 from longctx.perf import write_result
 from longctx.train.models import preset
 
-MODELS = {"Transformer": "llama", "FoX (Pro)": "fox"}
-
 
 class Layer:
     """Layer 0 of the shape, at initialisation, and its attention core over each rank's heads."""
 
-    def __init__(self, shape: str, arch: str, seq: int, sp: int, device: torch.device, seed: int = 0):
+    def __init__(self, shape: str, arch: str, seq: int, sp: int, device: torch.device, backend: str = "auto",
+                 seed: int = 0):
         torch.manual_seed(seed)
         cfg = preset(shape, arch, seq).model_copy(update={"n_layers": 1})
         if cfg.n_heads % sp or cfg.kv_heads % sp:
             raise SystemExit(f"--sp {sp}: {shape} has {cfg.n_heads} query and {cfg.kv_heads} key/value heads")
-        self.model = Transformer(cfg).to(device, torch.bfloat16)
+        self.model = Transformer(cfg, attention_backend=backend).to(device, torch.bfloat16)
         self.attn = self.model.layers[0].self_attn
         self.sp, self.device = sp, device
-        self.backend = attention.resolve("auto", device, arch == "fox")
+        self.backend = attention.resolve(backend, device, arch == "fox")
         if arch == "fox" and self.backend == "fox":
             self.model.acp = Acp()
 
@@ -122,23 +125,33 @@ def measured(paths: list[Path], shape: str, seq: int, sp: int, draws: int) -> di
     return rows
 
 
-def estimates(rows: list[dict], steps: dict[str, dict], layers: int) -> dict:
-    """Per model with a measured row: each draw's estimated step (the measured step, its timed
-    draws' attention swapped for this draw's), and what the first step (draw 0) spent beyond its
-    estimate."""
+def estimates(rows: list[dict], steps: dict[str, dict], layers: int, ran_with: dict[str, str],
+              tokens_per_gpu: int) -> dict:
+    """Per timed label of a model with a measured row: each draw's estimated step (the measured
+    step, its timed draws' attention, timed under the label `ran_with[model]` names, swapped for
+    this label's attention of this draw), the tokens/s a GPU over all draws, and what the first
+    step (draw 0) spent beyond its estimate."""
     out = {}
-    for model, row in steps.items():
-        a = [r["seconds"][model] for r in rows]
+    for label in rows[0]["seconds"] if rows else []:
+        model = label.split(" (")[0] if label.startswith("Transformer") else label
+        if model not in steps:
+            continue
+        row, measured = steps[model], [r["seconds"][ran_with[model]] for r in rows]
         timed = timed_draws(row)
-        base = row["step_s"] - layers * sum(a[i] for i in timed) / len(timed)
-        est = [base + layers * x for x in a]
-        out[model] = {"step_s": row["step_s"], "timed_draws": timed, "estimated_step_s": [round(s, 2) for s in est],
+        base = row["step_s"] - layers * sum(measured[i] for i in timed) / len(timed)
+        est = [base + layers * r["seconds"][label] for r in rows]
+        out[label] = {"step_s": row["step_s"], "timed_draws": timed, "estimated_step_s": [round(s, 2) for s in est],
+                      "tokens_per_s_per_gpu_over_draws": round(tokens_per_gpu * len(est) / sum(est), 1),
                       "first_step_s": row["first_step_s"], "first_step_beyond_estimate_s":
                       round(row["first_step_s"] - est[0], 2)}
-    if len(out) == len(MODELS):
-        total = {m: sum(out[m]["estimated_step_s"]) for m in MODELS}
-        out["ratio_over_draws"] = round(total["Transformer"] / total["FoX (Pro)"], 3)
-        out["ratio_at_timed_draw"] = round(out["Transformer"]["step_s"] / out["FoX (Pro)"]["step_s"], 3)
+    if "FoX (Pro)" in out and "Transformer" in out:
+        fox = out["FoX (Pro)"]
+        out["ratios"] = {label: {"over_draws": round(sum(e["estimated_step_s"]) / sum(fox["estimated_step_s"]), 3),
+                                 "at_timed_draw": round(sum(e["estimated_step_s"][i] for i in e["timed_draws"])
+                                                        / len(e["timed_draws"]) / fox["step_s"], 3)}
+                         for label, e in out.items() if label.startswith("Transformer")}
+        out["ratio_over_draws"] = out["ratios"]["Transformer"]["over_draws"]
+        out["ratio_at_timed_draw"] = out["ratios"]["Transformer"]["at_timed_draw"]
     return out
 
 
@@ -150,42 +163,59 @@ def main() -> None:
     ap.add_argument("--draws", type=int, default=12, help="draws 0..N-1 (scale.py's steps 0..N-1)")
     ap.add_argument("--steps", type=Path, nargs="*", default=[], help="scale.py JSON of the models at this "
                     "shape, length and SP: estimate every draw's step")
+    ap.add_argument("--backends", nargs="+", default=["auto"], help="the Transformer's attention backends, "
+                    "each timed on every draw")
+    ap.add_argument("--steps-attention", help="the backend the --steps rows' Transformer ran with where a row "
+                    "does not say (rows before 2026-11-29: varlen); default: the first of --backends")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     args = ap.parse_args()
     steps = measured(args.steps, args.shape, args.seq, args.sp, args.draws)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    layers = {m: Layer(args.shape, arch, args.seq, args.sp, device) for m, arch in MODELS.items()}
+    names = [attention.resolve(b, device, False) for b in args.backends]  # (an impossible one refused here)
+    labels = {name: "Transformer" if i == 0 else f"Transformer ({name})" for i, name in enumerate(names)}
+    ran = steps.get("Transformer", {}).get("attention") or (attention.resolve(args.steps_attention, device, False)
+                                                            if args.steps_attention else names[0])
+    if "Transformer" in steps and ran not in labels:
+        raise SystemExit(f"--steps: the Transformer's step ran on {ran!r}; give it in --backends to swap its attention")
+    ran_with = {"Transformer": labels.get(ran, "Transformer"), "FoX (Pro)": "FoX (Pro)"}
+    layers = {labels[name]: Layer(args.shape, "llama", args.seq, args.sp, device, name) for name in labels}
+    layers["FoX (Pro)"] = Layer(args.shape, "fox", args.seq, args.sp, device)
     draws = [documents(args.seq, 1000 * i) for i in range(args.draws)]
     for layer in layers.values():  # compilation and autotuning, untimed
         layer.time(draws[0], 1)
     rows = []
-    print(f"{'draw':>4} {'docs':>5} {'longest':>8} {'density':>7} {'Transformer s':>13} {'FoX s (ranks)':>24} "
-          f"{'FoX kept':>8}", flush=True)
+    print(f"{'draw':>4} {'docs':>5} {'longest':>8} {'density':>7} "
+          + " ".join(f"{names[i] + ' s':>13}" for i in range(len(names))) + f" {'FoX s (ranks)':>24} {'FoX kept':>8}",
+          flush=True)
     for i, bounds in enumerate(draws):
-        ((t, _),) = layers["Transformer"].time(bounds, 1)
+        plain = {label: layers[label].time(bounds, 1)[0][0] for label in labels.values()}
         fox = layers["FoX (Pro)"].time(bounds, args.sp)
         kept = [k for _, k in fox if k is not None]
         row = {"draw": i, "seed": 1000 * i, "documents": len(bounds) - 1,
                "longest": int((bounds[1:] - bounds[:-1]).max()), "density": round(density(args.seq, [i], 1), 4),
-               "seconds": {"Transformer": round(t, 4), "FoX (Pro)": round(max(s for s, _ in fox), 4)},
+               "seconds": {**{label: round(t, 4) for label, t in plain.items()},
+                           "FoX (Pro)": round(max(s for s, _ in fox), 4)},
                "fox_rank_seconds": [round(s, 4) for s, _ in fox],
                "fox_kept_fraction": round(sum(kept) / len(kept), 4) if kept else None}
         rows.append(row)
-        print(f"{i:>4} {row['documents']:>5} {row['longest']:>8} {row['density']:>7.3f} {t:>13.3f} "
-              f"{' / '.join(f'{s:.3f}' for s, _ in fox):>24} {row['fox_kept_fraction'] or '-':>8}", flush=True)
+        print(f"{i:>4} {row['documents']:>5} {row['longest']:>8} {row['density']:>7.3f} "
+              + " ".join(f"{t:>13.3f}" for t in plain.values())
+              + f" {' / '.join(f'{s:.3f}' for s, _ in fox):>24} {row['fox_kept_fraction'] or '-':>8}", flush=True)
     n_layers = preset(args.shape).n_layers
-    est = estimates(rows, steps, n_layers)
-    for model in MODELS:
-        if model in est:
-            e = est[model]
-            print(f"{model}: measured {e['step_s']} s at draw {e['timed_draws']}; estimated per draw "
-                  f"{e['estimated_step_s']}; first step {e['first_step_s']} s, {e['first_step_beyond_estimate_s']} s "
-                  "beyond its estimate (compilation)")
-    if "ratio_over_draws" in est:
-        print(f"FoX (Pro)+ACP over the Transformer: {est['ratio_at_timed_draw']}x at the timed draw, "
-              f"{est['ratio_over_draws']}x over draws 0..{args.draws - 1}")
+    est = estimates(rows, steps, n_layers, ran_with, args.seq // args.sp)
+    for label, e in est.items():
+        if isinstance(e, dict) and "step_s" in e:
+            print(f"{label}: measured {e['step_s']} s at draw {e['timed_draws']}"
+                  f"{f' (on {ran})' if label.startswith('Transformer') else ''}; estimated per draw "
+                  f"{e['estimated_step_s']}: {e['tokens_per_s_per_gpu_over_draws']} tokens/s/GPU over the draws; "
+                  f"first step {e['first_step_s']} s, {e['first_step_beyond_estimate_s']} s beyond its estimate "
+                  "(compilation)")
+    for label, r in est.get("ratios", {}).items():
+        print(f"FoX (Pro)+ACP over {label}: {r['at_timed_draw']}x at the timed draw, {r['over_draws']}x over draws "
+              f"0..{args.draws - 1}")
     fields = {"shape": args.shape, "seq": args.seq, "sp": args.sp, "layers": n_layers,
               "backends": {m: layer.backend + ("+acp" if layer.model.acp else "") for m, layer in layers.items()},
+              "steps_attention": ran if "Transformer" in steps else None,
               "timing": "one layer's attention core per draw, halves recomputation: forward, then forward + backward",
               "rows": rows, "estimates": est}
     if device.type == "cuda":

@@ -1,9 +1,9 @@
 """Attention backends checked where training lives (issue 32): one training step of a trained
 checkpoint on a batch of its own packed split (many documents per sequence), bf16 autocast as the
 stages run it, with each document-masked backend against sdpa's: the loss and every parameter's
-gradient cosine. Random inputs (tests/test_gpu_attention.py) passed the cuDNN path; on the
-gpu-64k base its q/k gradients were uncorrelated with sdpa's, so `auto` no longer picks it and the
-name is refused; this script still runs it (patched in) to check a fix.
+gradient cosine. On the gpu-64k base (H100, 2026-11-26) the cuDNN path's q/k gradients were
+uncorrelated with sdpa's: sdpa ran first, on PyTorch's own cuDNN path, and the wrapper then ran the
+graphs it had cached (cudnn_attention._private keeps them apart now; bench/cudnn_grads.py).
 
     python bench/backend_grads.py --workspace /tmp/longctx-ws-llama --out bench/results
 """
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from longctx import config
 from longctx.data.loader import PackedDataset
-from longctx.model import attention, cudnn_attention
+from longctx.model import cudnn_attention
 from longctx.perf import write_result
 from longctx.train.loop import autocast, make_batch, prepare
 from longctx.train.models import load_model
@@ -32,10 +32,8 @@ VARIANTS = {"sdpa": ("sdpa", None), "varlen": ("varlen", None), "cudnn": ("cudnn
 
 def step(workspace: Path, name: str, split: str, samples: list[int]) -> tuple[float, dict[str, torch.Tensor]]:
     backend, long_doc = VARIANTS[name]
-    resolve = attention.resolve
-    if backend == "cudnn":  # the refused backend, on purpose
+    if backend == "cudnn":
         cudnn_attention.LONG_DOC = long_doc
-        attention.resolve = lambda *a, **k: "cudnn"
     try:
         run = config.resolve({"profile": "gpu-64k"}).train.base.model_copy(update={"compile": False})
         model = prepare(load_model(workspace / "models" / "base", backend).to(DEV), run, Parallel(device=DEV))
@@ -46,7 +44,6 @@ def step(workspace: Path, name: str, split: str, samples: list[int]) -> tuple[fl
             loss.backward()
         return float(loss.detach()), {n: p.grad.detach().float().clone() for n, p in model.named_parameters()}
     finally:
-        attention.resolve = resolve
         cudnn_attention.LONG_DOC = 1024
 
 

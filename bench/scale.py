@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from longctx.model.attention import available
+from longctx.model.attention import available, resolve
 from longctx.model.recompute import MODES
 from longctx.perf import measure, peak_memory, prepared, profile, write_result
 from longctx.train.loop import Batch, attention_cost, packed_batch, schedule
@@ -109,9 +109,10 @@ def run_setting(name: str, args, base_par) -> dict:
     seq = args.sp_seq if name.endswith("sp") else args.fsdp_seq
     cfg = preset(args.shape, "fox" if fox else "llama", seq)
     par = with_sequence_parallel(base_par, sp, cfg.n_heads)
-    backend = "fox" if fox and "fox" in available(par.device) else "auto"  # the interpreter's in the CPU test
+    backend = "fox" if fox and "fox" in available(par.device) else "auto" if fox else args.attention
     row = {"setting": name, "model": "FoX (Pro)" if fox else "Transformer", "shape": args.shape, "seq": seq,
-           "world": par.world, "sp": sp, "recompute": args.recompute, "offload": args.offload,
+           "attention": resolve(backend, par.device, fox), "world": par.world, "sp": sp,
+           "recompute": args.recompute, "offload": args.offload,
            "acp": backend == "fox", "docs": "generated, log-uniform 1K..seq", "accum": args.accum,
            "reorder": not args.no_reorder, "mlp_tile": args.mlp_tile, "offload_activations": args.offload_activations,
            "offload_keep_last": args.offload_keep_last}
@@ -232,6 +233,7 @@ def main() -> None:
     ap.add_argument("--offload-keep-last", type=int, default=0, help="with --offload-activations: the last N "
                     "blocks keep their inputs on the GPU (host memory holds the others)")
     ap.add_argument("--no-compile", action="store_true", help="eager blocks (compiled is the default on CUDA)")
+    ap.add_argument("--attention", default="auto", help="the Transformer's attention backend (auto: cuDNN on Hopper)")
     ap.add_argument("--tag", default="", help="appended to the result file's name")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     ap.add_argument("--compare", type=Path, nargs="+", help="JSON results of runs at several GPU counts: "

@@ -76,3 +76,26 @@ def test_rows_that_do_not_say_their_draws_and_unreadable_files_are_refused(tmp_p
     done = run(tmp_path, "--steps", str(missing))
     assert done.returncode != 0 and str(missing) in done.stderr
     assert not (tmp_path / "out").exists()  # (nothing written by a refused run)
+
+
+def test_each_backend_gets_the_measured_step_with_its_own_attention_swapped_in(tmp_path):
+    """--backends times the Transformer on several backends; the measured step's attention is
+    the backend it ran on (its row's `attention`, else --steps-attention), so that backend's
+    estimate at the timed draw is the measured step and every other differs by its attention."""
+    steps = scale_json(tmp_path, "s.json", [row("Transformer", 10.0, 30.0), row("FoX (Pro)", 4.0, 20.0)])
+    done = run(tmp_path, "--steps", steps, "--backends", "sdpa", "reference", "--steps-attention", "reference")
+    assert done.returncode == 0, done.stderr[-3000:]
+    res = json.loads((tmp_path / "out" / f"attention_draws-cpu-{SEQ}.json").read_text())
+    rows, est = res["rows"], res["estimates"]
+    assert res["steps_attention"] == "reference" and set(est["ratios"]) == {"Transformer", "Transformer (reference)"}
+    ran, other = est["Transformer (reference)"]["estimated_step_s"], est["Transformer"]["estimated_step_s"]
+    assert ran[1] == pytest.approx(10.0, abs=0.01)
+    for i, r in enumerate(rows):
+        swap = LAYERS * (r["seconds"]["Transformer"] - r["seconds"]["Transformer (reference)"])
+        assert other[i] - ran[i] == pytest.approx(swap, abs=0.02)
+    e = est["Transformer"]
+    assert e["tokens_per_s_per_gpu_over_draws"] == pytest.approx(SEQ // 2 * 3 / sum(other), rel=1e-3)
+    assert "FoX (Pro)+ACP over Transformer (reference)" in done.stdout
+    said = scale_json(tmp_path, "a.json", [row("Transformer", 10.0, 30.0, attention="flex")])
+    refused = run(tmp_path, "--steps", said, "--backends", "sdpa")
+    assert refused.returncode != 0 and "'flex'" in refused.stderr and "--backends" in refused.stderr

@@ -85,6 +85,15 @@ def test_cudnn_routes_long_and_short_documents(lengths, heads, d, monkeypatch):
         check_qkv(lambda *t, plan=plan: attention.cudnn(*t, cu, plan=plan), leaves, cu, 1e-2, 1e-2)
 
 
+def test_auto_takes_cudnn_on_hopper_and_the_fox_kernel_for_fox():
+    if torch.cuda.get_device_capability(DEV) < (9, 0) or "cudnn" not in attention.available(DEV):
+        pytest.skip("not a Hopper GPU with cuDNN's attention")
+    assert attention.resolve("auto", DEV, False) == "cudnn" == attention.resolve("cudnn", DEV, False)
+    assert attention.resolve("auto", DEV, True) == "fox"
+    with pytest.raises(ValueError, match="no decay"):
+        attention.resolve("cudnn", DEV, True)
+
+
 @pytest.mark.parametrize("first", ["sdpa", "cudnn"])
 def test_cudnn_is_right_beside_pytorchs_own_cudnn_path(first, monkeypatch):
     """PyTorch's cuDNN path (the sdpa backend under sdpa_kernel(CUDNN_ATTENTION), what it picks on
@@ -150,7 +159,6 @@ def test_cudnn_gives_a_trained_models_gradients(monkeypatch):
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION], set_priority=True):
         torch_path = worst(grads("sdpa", bf16=True))
     flash = worst(grads("varlen", bf16=True))
-    monkeypatch.setattr(attention, "resolve", lambda *a, **k: "cudnn")  # the name is refused (issue 32)
     ours = worst(grads("cudnn", bf16=True))
     assert flash > 0.9 and ours >= flash - 0.01 and torch_path >= flash - 0.01, (ours, torch_path, flash)
 
@@ -169,9 +177,7 @@ def check_qkv(fn, leaves: list[torch.Tensor], cu: torch.Tensor, out_tol: float, 
 
 
 
-@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "cudnn"] + [
-    pytest.param("cudnn", marks=pytest.mark.xfail(reason="issue 32: cuDNN's path gave gradients uncorrelated "
-                                                         "with sdpa's on a trained model; refused until fixed"))])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_peaked_attention_over_long_documents(backend):
     """The regime a trained model is in, which random unit inputs are not: sharp attention (logits
     of std ~8, as induction heads have them) over documents past LONG_DOC beside short ones, bf16."""

@@ -10,7 +10,7 @@ Backends (one signature, chosen by `select`):
   sdpa        PyTorch's scaled_dot_product_attention per document: its flash / memory-efficient
               kernels for plain causal attention, an additive bias for FoX. Any device.
   cudnn       cuDNN's fused kernel per long document, FlashAttention-2 for the short ones
-              (cudnn_attention.py; CUDA, the default there for plain attention); no FoX.
+              (cudnn_attention.py; CUDA, the default for plain attention on Hopper); no FoX.
   flash_attn  flash_attn_varlen_func (CUDA, when flash-attn is installed); no FoX.
   varlen      torch.nn.attention.varlen.varlen_attn, PyTorch's built-in flash path (CUDA); no FoX.
   flex        FlexAttention with a document block mask and the FoX decay as a score_mod (CUDA).
@@ -235,18 +235,19 @@ def available(device: torch.device) -> list[str]:
 
 def resolve(name: str, device: torch.device, fox: bool) -> str:
     """The backend for a config value, checked against the device and the model (`fox`: a decay,
-    FoX's or ALiBi's): a name from BACKENDS, or "auto" for the fastest that can run it. cuDNN's
-    kernel (1.5x FlashAttention-2's speed on Hopper) is refused: on a trained model its
-    gradients do not match (issue 32, the gpu-64k base: lowest per-parameter cosine with sdpa's
-    -0.17, layer 10's q/k projections -0.06; FlashAttention-2's path 0.987; bench/results/
-    backend_grads-*), and the Transformers trained with it learned no retrieval."""
+    FoX's or ALiBi's): a name from BACKENDS, or "auto" for the fastest that can run it (cuDNN's
+    kernel on Hopper: 1.6x FlashAttention-2's speed at 16K and 64K, bench/attention.py). Its wrong
+    gradients of issue 32 were PyTorch's graph cache shared with F.sdpa's own cuDNN path in one
+    process (cudnn_attention._private); the wrapper now matches FlashAttention-2 on a trained
+    model after sdpa's step (tests/test_gpu_attention.py)."""
     here = available(device)
     if name == "auto":
         if device.type != "cuda":
             return "sdpa"
         if fox:
             return "fox" if "fox" in here else "flex"
-        for fast in ("flash_attn", "varlen"):
+        hopper = torch.cuda.get_device_capability(device) >= (9, 0)
+        for fast in ("cudnn", "flash_attn", "varlen") if hopper else ("flash_attn", "varlen"):
             if fast in here:
                 return fast
         return "sdpa"
@@ -254,9 +255,6 @@ def resolve(name: str, device: torch.device, fox: bool) -> str:
         raise ValueError(f"attention backend {name!r} is unknown (known: {sorted(BACKENDS)}; on {device.type}: {here})")
     if name not in here:
         raise ValueError(f"attention backend {name!r} cannot run on {device.type} here; use one of {here}")
-    if name == "cudnn":
-        raise ValueError("attention backend 'cudnn' gives wrong gradients on trained models (issue 32: its q/k "
-                         "gradients are uncorrelated with sdpa's); use 'varlen' or 'flash_attn' (or 'auto')")
     if fox and name in PLAIN_ONLY:
         raise ValueError(f"attention backend {name!r} has no decay (FoX's forget gate, ALiBi); for those use "
                          f"{[b for b in here if b not in PLAIN_ONLY]}")
