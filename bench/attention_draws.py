@@ -136,9 +136,9 @@ def estimates(rows: list[dict], steps: dict[str, dict], layers: int, ran_with: d
         model = label.split(" (")[0] if label.startswith("Transformer") else label
         if model not in steps:
             continue
-        row, measured = steps[model], [r["seconds"][ran_with[model]] for r in rows]
+        row, by_draw = steps[model], {r["draw"]: r["seconds"] for r in rows}
         timed = timed_draws(row)
-        base = row["step_s"] - layers * sum(measured[i] for i in timed) / len(timed)
+        base = row["step_s"] - layers * sum(by_draw[i][ran_with[model]] for i in timed) / len(timed)
         est = [base + layers * r["seconds"][label] for r in rows]
         out[label] = {"step_s": row["step_s"], "timed_draws": timed, "estimated_step_s": [round(s, 2) for s in est],
                       "tokens_per_s_per_gpu_over_draws": round(tokens_per_gpu * len(est) / sum(est), 1),
@@ -146,9 +146,10 @@ def estimates(rows: list[dict], steps: dict[str, dict], layers: int, ran_with: d
                       round(row["first_step_s"] - est[0], 2)}
     if "FoX (Pro)" in out and "Transformer" in out:
         fox = out["FoX (Pro)"]
+        at = [[r["draw"] for r in rows].index(i) for i in fox["timed_draws"]]
         out["ratios"] = {label: {"over_draws": round(sum(e["estimated_step_s"]) / sum(fox["estimated_step_s"]), 3),
-                                 "at_timed_draw": round(sum(e["estimated_step_s"][i] for i in e["timed_draws"])
-                                                        / len(e["timed_draws"]) / fox["step_s"], 3)}
+                                 "at_timed_draw": round(sum(e["estimated_step_s"][i] for i in at)
+                                                        / len(at) / fox["step_s"], 3)}
                          for label, e in out.items() if label.startswith("Transformer")}
         out["ratio_over_draws"] = out["ratios"]["Transformer"]["over_draws"]
         out["ratio_at_timed_draw"] = out["ratios"]["Transformer"]["at_timed_draw"]
@@ -167,9 +168,17 @@ def main() -> None:
                     "each timed on every draw")
     ap.add_argument("--steps-attention", help="the backend the --steps rows' Transformer ran with where a row "
                     "does not say (rows before 2026-11-29: varlen); default: the first of --backends")
+    ap.add_argument("--only", type=int, nargs="+", help="time these draws alone (those the steps timed among "
+                    "them): to finish a run that was cut")
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     args = ap.parse_args()
+    only = args.only if args.only is not None else list(range(args.draws))
+    if not set(only) <= set(range(args.draws)):
+        ap.error(f"--only {args.only}: draws are 0..{args.draws - 1}")
     steps = measured(args.steps, args.shape, args.seq, args.sp, args.draws)
+    for model, row in steps.items():
+        if not set(timed_draws(row)) <= set(only):
+            ap.error(f"--only {only}: the {model} step timed draws {timed_draws(row)}; time them too")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     names = [attention.resolve(b, device, False) for b in args.backends]  # (an impossible one refused here)
     labels = {name: "Transformer" if i == 0 else f"Transformer ({name})" for i, name in enumerate(names)}
@@ -180,14 +189,20 @@ def main() -> None:
     ran_with = {"Transformer": labels.get(ran, "Transformer"), "FoX (Pro)": "FoX (Pro)"}
     layers = {labels[name]: Layer(args.shape, "llama", args.seq, args.sp, device, name) for name in labels}
     layers["FoX (Pro)"] = Layer(args.shape, "fox", args.seq, args.sp, device)
-    draws = [documents(args.seq, 1000 * i) for i in range(args.draws)]
+    draws = {i: documents(args.seq, 1000 * i) for i in only}
     for layer in layers.values():  # compilation and autotuning, untimed
-        layer.time(draws[0], 1)
-    rows = []
+        layer.time(draws[only[0]], 1)
+    n_layers = preset(args.shape).n_layers
+    fields = {"shape": args.shape, "seq": args.seq, "sp": args.sp, "layers": n_layers,
+              "backends": {m: layer.backend + ("+acp" if layer.model.acp else "") for m, layer in layers.items()},
+              "steps_attention": ran if "Transformer" in steps else None,
+              "timing": "one layer's attention core per draw, halves recomputation: forward, then forward + backward",
+              "rows": []}
+    rows = fields["rows"]
     print(f"{'draw':>4} {'docs':>5} {'longest':>8} {'density':>7} "
           + " ".join(f"{names[i] + ' s':>13}" for i in range(len(names))) + f" {'FoX s (ranks)':>24} {'FoX kept':>8}",
           flush=True)
-    for i, bounds in enumerate(draws):
+    for i, bounds in draws.items():
         plain = {label: layers[label].time(bounds, 1)[0][0] for label in labels.values()}
         fox = layers["FoX (Pro)"].time(bounds, args.sp)
         kept = [k for _, k in fox if k is not None]
@@ -201,8 +216,8 @@ def main() -> None:
         print(f"{i:>4} {row['documents']:>5} {row['longest']:>8} {row['density']:>7.3f} "
               + " ".join(f"{t:>13.3f}" for t in plain.values())
               + f" {' / '.join(f'{s:.3f}' for s, _ in fox):>24} {row['fox_kept_fraction'] or '-':>8}", flush=True)
-    n_layers = preset(args.shape).n_layers
-    est = estimates(rows, steps, n_layers, ran_with, args.seq // args.sp)
+        save(fields, args.out, device)  # the rows so far kept if the run is cut
+    est = fields["estimates"] = estimates(rows, steps, n_layers, ran_with, args.seq // args.sp)
     for label, e in est.items():
         if isinstance(e, dict) and "step_s" in e:
             print(f"{label}: measured {e['step_s']} s at draw {e['timed_draws']}"
@@ -212,17 +227,16 @@ def main() -> None:
                   "(compilation)")
     for label, r in est.get("ratios", {}).items():
         print(f"FoX (Pro)+ACP over {label}: {r['at_timed_draw']}x at the timed draw, {r['over_draws']}x over draws "
-              f"0..{args.draws - 1}")
-    fields = {"shape": args.shape, "seq": args.seq, "sp": args.sp, "layers": n_layers,
-              "backends": {m: layer.backend + ("+acp" if layer.model.acp else "") for m, layer in layers.items()},
-              "steps_attention": ran if "Transformer" in steps else None,
-              "timing": "one layer's attention core per draw, halves recomputation: forward, then forward + backward",
-              "rows": rows, "estimates": est}
+              f"{'0..' + str(args.draws - 1) if args.only is None else only}")
+    save(fields, args.out, device, quiet=False)
+
+
+def save(fields: dict, out: Path, device: torch.device, quiet: bool = True) -> None:
     if device.type == "cuda":
-        write_result(args.out, f"attention_draws-{args.seq // 1024}k-sp{args.sp}", fields)
+        write_result(out, f"attention_draws-{fields['seq'] // 1024}k-sp{fields['sp']}", fields, quiet=quiet)
     else:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / f"attention_draws-cpu-{args.seq}.json").write_text(json.dumps(fields, indent=2) + "\n")
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"attention_draws-cpu-{fields['seq']}.json").write_text(json.dumps(fields, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -26,6 +26,9 @@
 #          65,536-token tiles, $RECOMPUTE recomputation (default halves: a block's backward in two
 #          parts), the block inputs in host memory but for the last $KEEP blocks (default 0);
 #          STATES=host: FSDP2's CPU offload of the weights and optimizer state too (one GPU's must)
+# ATTENTION: the Transformer's backend (default auto: cuDNN on Hopper since 2026-11-28; the rows
+#          before ran FlashAttention-2's varlen, ATTENTION=varlen; cuDNN's per-document copies cost
+#          ~20-28 GiB more a rank at 1M tokens with k/v repeated to q's heads: LONGCTX_CUDNN_GQA=native)
 # nooffload: $MODELS at $LONG_SEQ as millions, nothing in host memory (a step of the bisection for the
 #          longest that trains without offload: FoX (Pro)+ACP on 2 x H200 trained 507,904, not 524,288)
 set -uo pipefail
@@ -42,7 +45,7 @@ scale() {  # scale TAG SETTING [scale.py args]
   shift 2
   echo "== scale$tag: $setting $*"
   timeout "${LIMIT:-300}" torchrun --standalone --nproc-per-node "$gpus" bench/scale.py --settings "$setting" \
-    --steps 1 --warmup 1 --tag="$tag" --out "$out" "$@" 2>&1 | grep --line-buffered -v "Warning\|_warn_once" | tee "$out/scale$tag.log"
+    --steps 1 --warmup 1 --tag="$tag" --attention "${ATTENTION:-auto}" --out "$out" "$@" 2>&1 | grep --line-buffered -v "Warning\|_warn_once" | tee "$out/scale$tag.log"
   status=$(( status || PIPESTATUS[0] ))
 }
 

@@ -99,3 +99,19 @@ def test_each_backend_gets_the_measured_step_with_its_own_attention_swapped_in(t
     said = scale_json(tmp_path, "a.json", [row("Transformer", 10.0, 30.0, attention="flex")])
     refused = run(tmp_path, "--steps", said, "--backends", "sdpa")
     assert refused.returncode != 0 and "'flex'" in refused.stderr and "--backends" in refused.stderr
+
+
+def test_only_times_the_draws_asked_for_the_steps_timed_ones_among_them(tmp_path):
+    steps = scale_json(tmp_path, "s.json", [row("Transformer", 10.0, 30.0), row("FoX (Pro)", 4.0, 20.0)])
+    refused = run(tmp_path, "--steps", steps, "--only", "0", "2")
+    assert refused.returncode == 2 and "timed draws [1]" in refused.stderr and not (tmp_path / "out").exists()
+    done = run(tmp_path, "--steps", steps, "--only", "2", "1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    res = json.loads((tmp_path / "out" / f"attention_draws-cpu-{SEQ}.json").read_text())
+    assert [r["draw"] for r in res["rows"]] == [2, 1] and [r["seed"] for r in res["rows"]] == [2000, 1000]
+    for model, measured in (("Transformer", 10.0), ("FoX (Pro)", 4.0)):
+        assert res["estimates"][model]["estimated_step_s"][1] == pytest.approx(measured, abs=0.01)
+    fox = res["estimates"]["FoX (Pro)"]["estimated_step_s"]
+    assert res["estimates"]["ratio_at_timed_draw"] == pytest.approx(10.0 / 4.0, abs=2e-3)
+    assert res["estimates"]["ratio_over_draws"] == pytest.approx(
+        sum(res["estimates"]["Transformer"]["estimated_step_s"]) / sum(fox), abs=2e-3)

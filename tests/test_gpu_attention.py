@@ -66,12 +66,17 @@ def test_backend_matches_reference(backend, fox, d, dtype):
 @pytest.mark.parametrize("lengths", [[17, 300, 129, 578], [1024], [40, 1000, 3], [256, 1, 767]])
 @pytest.mark.parametrize("heads", [(8, 8), (8, 2)])
 @pytest.mark.parametrize("d", [64, 128])
-def test_cudnn_routes_long_and_short_documents(lengths, heads, d, monkeypatch):
+@pytest.mark.parametrize("native_gqa", [False, True])
+def test_cudnn_routes_long_and_short_documents(lengths, heads, d, native_gqa, monkeypatch):
     """Documents of at least LONG_DOC tokens take cuDNN (padded to a plan size), the rest
-    FlashAttention-2: both against the fp64 reference, GQA too, with and without a host plan."""
+    FlashAttention-2: both against the fp64 reference, GQA too (k/v repeated to q's heads, or
+    given to cuDNN as they are: LONGCTX_CUDNN_GQA=native), with and without a host plan."""
     if "cudnn" not in attention.available(DEV):
         pytest.skip("no cuDNN attention here")
+    if native_gqa and heads[0] == heads[1]:
+        pytest.skip("no grouped heads")
     monkeypatch.setattr(cudnn_attention, "LONG_DOC", 128)
+    monkeypatch.setattr(cudnn_attention, "NATIVE_GQA", native_gqa)
     n = sum(lengths)
     bounds = [0]
     for length in lengths:

@@ -203,6 +203,17 @@ def test_cudnn_documents_carry_a_batch_stride_no_other_caller_has(length, padded
     assert dense.stride(0) % 8 == 0  # 16-byte aligned in bf16, as cuDNN's tensor maps need
 
 
+def test_cudnn_gets_grouped_kv_heads_repeated_unless_native(monkeypatch):
+    from longctx.model import cudnn_attention as ca
+
+    k = torch.randn(700, 2, 16)
+    monkeypatch.setattr(ca, "NATIVE_GQA", False)
+    assert ca._dense(k, 10, 600, 640, ca._heads(k, 8)).shape == (1, 8, 640, 16)
+    monkeypatch.setattr(ca, "NATIVE_GQA", True)
+    native = ca._dense(k, 10, 600, 640, ca._heads(k, 8))
+    assert native.shape == (1, 2, 640, 16) and torch.equal(native[0, :, :600], k[10:610].transpose(0, 1))
+
+
 def test_doc_cumsum_restarts_at_every_document_with_its_gradient():
     torch.manual_seed(0)
     log_f = F.logsigmoid(torch.randn(40, 3, dtype=torch.float64)).requires_grad_(True)

@@ -40,6 +40,7 @@ def test_two_ranks_report_every_setting_and_match_one_process(tmp_path):
     for r in rows.values():
         assert r["tokens_per_s_per_gpu"] > 0 and len(r["losses"]) == 1 + 2 * 1  # warm-up, isolated, queued
         assert r["timed_draws"] == [2]  # (the queued step's documents: bench/attention_draws.py reads it)
+        assert r["attention"] == ("fox" if r["model"] == "FoX (Pro)" else "sdpa")
     sys.path.insert(0, str(REPO / "bench"))
     from scale import density, documents
 

@@ -14,6 +14,7 @@ without a device sync, and both passes are custom ops, so torch.compile sees one
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,10 @@ from .transfer import to_device
 
 LONG_DOC = 1024
 """Documents at least this long take the cuDNN kernel; shorter ones FlashAttention-2's."""
+NATIVE_GQA = os.environ.get("LONGCTX_CUDNN_GQA", "repeat") == "native"
+"""k/v of fewer heads than q straight to cuDNN, which takes them (probed on an H200: errors as
+MHA's), instead of copies repeated to q's heads (at 1M tokens a rank, ~12 GiB of copies a layer's
+backward): LONGCTX_CUDNN_GQA=native, off until the CUDA tests have run it."""
 
 
 def padded_length(length: int) -> int:
@@ -81,6 +86,11 @@ def _private(t: torch.Tensor) -> torch.Tensor:
     return t.as_strided(t.shape, (t.numel() + 8, *t.stride()[1:]))
 
 
+def _heads(t: torch.Tensor, h: int) -> int:
+    """The heads t reaches cuDNN with: its own (NATIVE_GQA), or q's h."""
+    return t.shape[1] if NATIVE_GQA else h
+
+
 def _grouped(grad: torch.Tensor, heads: int) -> torch.Tensor:
     """[L, H, D] gradients of repeated heads summed back to [L, heads, D]."""
     if grad.shape[1] == heads:
@@ -99,7 +109,8 @@ def doc_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, long_docs: 
         if not length:
             continue
         res = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            *(_dense(t, start, length, padded, h) for t in (q, k, v)), None, True, 0.0, True, False, scale=scale)
+            *(_dense(t, start, length, padded, _heads(t, h)) for t in (q, k, v)), None, True, 0.0, True, False,
+            scale=scale)
         out[start:start + length] = res[0][0, :, :length].transpose(0, 1)
         lse[:, start:start + length] = res[1][0, :, :length, 0]
     if short_index.numel():
@@ -129,7 +140,7 @@ def doc_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
             continue
         lse_d = lse.new_zeros(1, h, padded, 1)
         lse_d[0, :, :length, 0] = lse[:, start:start + length]
-        dense = [_dense(t, start, length, padded, h) for t in (grad, q, k, v, out)]
+        dense = [_dense(t, start, length, padded, _heads(t, h)) for t in (grad, q, k, v, out)]
         g = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
             *dense, lse_d, unused, unused, None, None, None, padded, padded, 0.0, True, scale=scale)
         dq[start:start + length] = g[0][0, :, :length].transpose(0, 1)
