@@ -79,9 +79,9 @@ def _private(t: torch.Tensor) -> torch.Tensor:
 
     PyTorch caches cuDNN's attention graphs keyed by the q/k/v sizes and strides alone, yet
     builds the output's gradient strides into the backward graph. F.scaled_dot_product_attention
-    (which picks cuDNN on Hopper) passes its autograd's contiguous [1, H, L, D] gradient where we
-    pass [L, H, D] rows: on q/k/v of one key, whichever built the graph first got right
-    gradients and the other wrong ones (issue 32's -0.17 cosine: bench/backend_grads.py ran
+    (which picks cuDNN on Hopper) hands it a gradient of another layout than our [L, H, D] rows:
+    on q/k/v of one key, whichever built the graph first got right gradients and the other wrong
+    ones (bench/cudnn_grads.py --shared-keys shows both orders) (issue 32's -0.17 cosine: bench/backend_grads.py ran
     sdpa first). The batch holds one entry, so its stride addresses nothing."""
     return t.as_strided(t.shape, (t.numel() + 8, *t.stride()[1:]))
 
