@@ -65,9 +65,10 @@ def plan(bounds: list[int], device: torch.device) -> Plan:
 
 def _dense(t: torch.Tensor, start: int, length: int, padded: int, heads: int) -> torch.Tensor:
     """Rows [start, start + length) of a packed [N, h, D] tensor as a [1, heads, padded, D]
-    tensor in cuDNN's BSHD layout, zero rows appended and grouped heads repeated as needed."""
+    tensor in cuDNN's BSHD layout, zero rows appended, grouped heads repeated to `heads` unless
+    NATIVE_GQA (then they keep their own)."""
     rows = t[start:start + length]
-    if rows.shape[1] != heads:
+    if rows.shape[1] != heads and not NATIVE_GQA:
         rows = rows.repeat_interleave(heads // rows.shape[1], dim=1)
     if padded != length:
         rows = torch.cat((rows, rows.new_zeros(padded - length, *rows.shape[1:])))
@@ -81,14 +82,9 @@ def _private(t: torch.Tensor) -> torch.Tensor:
     builds the output's gradient strides into the backward graph. F.scaled_dot_product_attention
     (which picks cuDNN on Hopper) hands it a gradient of another layout than our [L, H, D] rows:
     on q/k/v of one key, whichever built the graph first got right gradients and the other wrong
-    ones (bench/cudnn_grads.py --shared-keys shows both orders) (issue 32's -0.17 cosine: bench/backend_grads.py ran
-    sdpa first). The batch holds one entry, so its stride addresses nothing."""
+    ones (issue 32's -0.17 cosine: bench/backend_grads.py ran sdpa first; bench/cudnn_grads.py
+    --shared-keys shows both orders). The batch holds one entry, so its stride addresses nothing."""
     return t.as_strided(t.shape, (t.numel() + 8, *t.stride()[1:]))
-
-
-def _heads(t: torch.Tensor, h: int) -> int:
-    """The heads t reaches cuDNN with: its own (NATIVE_GQA), or q's h."""
-    return t.shape[1] if NATIVE_GQA else h
 
 
 def _grouped(grad: torch.Tensor, heads: int) -> torch.Tensor:
@@ -109,8 +105,7 @@ def doc_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, long_docs: 
         if not length:
             continue
         res = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            *(_dense(t, start, length, padded, _heads(t, h)) for t in (q, k, v)), None, True, 0.0, True, False,
-            scale=scale)
+            *(_dense(t, start, length, padded, h) for t in (q, k, v)), None, True, 0.0, True, False, scale=scale)
         out[start:start + length] = res[0][0, :, :length].transpose(0, 1)
         lse[:, start:start + length] = res[1][0, :, :length, 0]
     if short_index.numel():
@@ -140,7 +135,7 @@ def doc_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
             continue
         lse_d = lse.new_zeros(1, h, padded, 1)
         lse_d[0, :, :length, 0] = lse[:, start:start + length]
-        dense = [_dense(t, start, length, padded, _heads(t, h)) for t in (grad, q, k, v, out)]
+        dense = [_dense(t, start, length, padded, h) for t in (grad, q, k, v, out)]
         g = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
             *dense, lse_d, unused, unused, None, None, None, padded, padded, 0.0, True, scale=scale)
         dq[start:start + length] = g[0][0, :, :length].transpose(0, 1)
