@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from scale import density, documents
 
-from longctx.model import attention
+from longctx.model import attention, cudnn_attention
 from longctx.model.fox import Acp
 from longctx.model.transformer import Transformer, packed_positions
 from longctx.perf import write_result
@@ -69,15 +69,20 @@ class Layer:
         return [[None if t is None else t[:, r * (w // self.sp):(r + 1) * (w // self.sp)].contiguous().requires_grad_()
                  for t, w in zip(parts, widths, strict=True)] for r in range(ranks)]
 
-    def time(self, bounds: torch.Tensor, ranks: int) -> list[tuple[float, float | None]]:
+    def time(self, bounds: torch.Tensor, ranks: int) -> list[tuple[float, float | None, float | None]]:
         """Per rank of the first `ranks`: (seconds of a forward without gradients, then forward +
-        backward; the kept fraction of causal tiles under ACP, or None)."""
+        backward; the kept fraction of causal tiles under ACP, or None; the GiB the core allocated
+        at its peak beyond its inputs, None on the CPU)."""
         n, cu = int(bounds[-1]), bounds.to(self.device)
         cos, sin = self.model.rotary(packed_positions(cu, n), cu, torch.bfloat16)
         ctx = self.model.attention_context(cu, n, cos, sin, bounds.tolist())
         out = []
         for parts in self.heads(n, ranks):
             sync()
+            cuda = self.device.type == "cuda"
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(self.device)
+                held = torch.cuda.memory_allocated(self.device)
             begin = time.perf_counter()
             with torch.no_grad():
                 self.attn.core(*parts, ctx)
@@ -85,8 +90,13 @@ class Layer:
             o.backward(torch.ones_like(o))
             sync()
             out.append((time.perf_counter() - begin,
-                        None if tiles is None else float(tiles[0]) / max(float(tiles[1]), 1.0)))
+                        None if tiles is None else float(tiles[0]) / max(float(tiles[1]), 1.0),
+                        (torch.cuda.max_memory_allocated(self.device) - held) / 2**30 if cuda else None))
         return out
+
+
+def gib(n: float | None) -> float | None:
+    return None if n is None else round(n, 2)
 
 
 def sync() -> None:
@@ -196,26 +206,31 @@ def main() -> None:
     fields = {"shape": args.shape, "seq": args.seq, "sp": args.sp, "layers": n_layers,
               "backends": {m: layer.backend + ("+acp" if layer.model.acp else "") for m, layer in layers.items()},
               "steps_attention": ran if "Transformer" in steps else None,
+              "cudnn_gqa": "native" if cudnn_attention.NATIVE_GQA else "repeat",
               "timing": "one layer's attention core per draw, halves recomputation: forward, then forward + backward",
               "rows": []}
     rows = fields["rows"]
     print(f"{'draw':>4} {'docs':>5} {'longest':>8} {'density':>7} "
-          + " ".join(f"{names[i] + ' s':>13}" for i in range(len(names))) + f" {'FoX s (ranks)':>24} {'FoX kept':>8}",
+          + " ".join(f"{names[i] + ' s':>13}" for i in range(len(names))) + f" {'FoX s (ranks)':>24} {'FoX kept':>8}"
+          + " " + " ".join(f"{names[i] + ' GiB':>13}" for i in range(len(names))),
           flush=True)
     for i, bounds in draws.items():
-        plain = {label: layers[label].time(bounds, 1)[0][0] for label in labels.values()}
+        plain = {label: layers[label].time(bounds, 1)[0] for label in labels.values()}
         fox = layers["FoX (Pro)"].time(bounds, args.sp)
-        kept = [k for _, k in fox if k is not None]
+        kept = [k for _, k, _ in fox if k is not None]
         row = {"draw": i, "seed": 1000 * i, "documents": len(bounds) - 1,
                "longest": int((bounds[1:] - bounds[:-1]).max()), "density": round(density(args.seq, [i], 1), 4),
-               "seconds": {**{label: round(t, 4) for label, t in plain.items()},
-                           "FoX (Pro)": round(max(s for s, _ in fox), 4)},
-               "fox_rank_seconds": [round(s, 4) for s, _ in fox],
+               "seconds": {**{label: round(t[0], 4) for label, t in plain.items()},
+                           "FoX (Pro)": round(max(s for s, _, _ in fox), 4)},
+               "peak_gib": {**{label: gib(t[2]) for label, t in plain.items()},
+                            "FoX (Pro)": gib(max((p for _, _, p in fox if p is not None), default=None))},
+               "fox_rank_seconds": [round(s, 4) for s, _, _ in fox],
                "fox_kept_fraction": round(sum(kept) / len(kept), 4) if kept else None}
         rows.append(row)
         print(f"{i:>4} {row['documents']:>5} {row['longest']:>8} {row['density']:>7.3f} "
-              + " ".join(f"{t:>13.3f}" for t in plain.values())
-              + f" {' / '.join(f'{s:.3f}' for s, _ in fox):>24} {row['fox_kept_fraction'] or '-':>8}", flush=True)
+              + " ".join(f"{t[0]:>13.3f}" for t in plain.values())
+              + f" {' / '.join(f'{s:.3f}' for s, _, _ in fox):>24} {row['fox_kept_fraction'] or '-':>8} "
+              + " ".join(f"{row['peak_gib'][label] or '-':>13}" for label in plain), flush=True)
         save(fields, args.out, device)  # the rows so far kept if the run is cut
     est = fields["estimates"] = estimates(rows, steps, n_layers, ran_with, args.seq // args.sp)
     for label, e in est.items():
