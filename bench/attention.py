@@ -120,7 +120,7 @@ def runners(t: int, d: int, q, k, v, log_f, do, acp: Acp):
 
         return run
 
-    doc_plan = cudnn_attention.plan([0, t], q.device)  # made once, as a training step's forward does
+    doc_plan = cudnn_attention.plan([0, t], q.device, q.shape[1] * d)  # made once, as a training step's forward does
 
     def cudnn_doc():
         return torch.autograd.grad(cudnn_attention.attend(q, k, v, cu, doc_plan), (q, k, v), do)

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from scale import density, documents
 
-from longctx.model import attention, cudnn_attention
+from longctx.model import attention
 from longctx.model.fox import Acp
 from longctx.model.transformer import Transformer, packed_positions
 from longctx.perf import write_result
@@ -206,7 +206,6 @@ def main() -> None:
     fields = {"shape": args.shape, "seq": args.seq, "sp": args.sp, "layers": n_layers,
               "backends": {m: layer.backend + ("+acp" if layer.model.acp else "") for m, layer in layers.items()},
               "steps_attention": ran if "Transformer" in steps else None,
-              "cudnn_gqa": "native" if cudnn_attention.NATIVE_GQA else "repeat",
               "timing": "one layer's attention core per draw, halves recomputation: forward, then forward + backward",
               "rows": []}
     rows = fields["rows"]

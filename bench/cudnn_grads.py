@@ -117,7 +117,7 @@ def captured(base: Path, lengths: list[int], device: torch.device, layer: int) -
 
 def torch_cudnn(q, k, v, cu_seqlens, scale=None):
     """PyTorch's cuDNN attention per document, autograd's backward; routed as the wrapper routes
-    (documents under LONG_DOC tokens to FlashAttention-2), so the two differ only in the glue."""
+    (documents under cudnn_attention.long_doc to FlashAttention-2), so the two differ only in the glue."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     bounds, outs = cu_seqlens.tolist(), []
@@ -126,7 +126,7 @@ def torch_cudnn(q, k, v, cu_seqlens, scale=None):
         qd, kd, vd = (t[a:b].transpose(0, 1)[None] for t in (q, k, v))
         if groups > 1:
             kd, vd = kd.repeat_interleave(groups, 1), vd.repeat_interleave(groups, 1)
-        long = b - a >= cudnn_attention.LONG_DOC
+        long = b - a >= cudnn_attention.long_doc(q.shape[1] * q.shape[2])
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION if long else SDPBackend.FLASH_ATTENTION]):
             outs.append(F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=scale)[0].transpose(0, 1))
     return torch.cat(outs)
@@ -234,8 +234,9 @@ def main() -> None:
     ap.add_argument("--heads", type=int, nargs=2, default=[8, 2], help="query and KV heads (the 8B's ratio)")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--lengths", type=int, nargs="+", default=LENGTHS, help="the synthetic regimes' documents")
-    ap.add_argument("--long-doc", type=int, default=cudnn_attention.LONG_DOC, help="documents of at least this "
-                    "many tokens take cuDNN in the synthetic regimes (the model's routing: 1024)")
+    ap.add_argument("--long-doc", type=int, default=1024, help="documents of at least this many tokens take cuDNN "
+                    "in the synthetic regimes (the model's rule, cudnn_attention.long_doc, sends fewer: 2,048 tokens "
+                    "and up at 32 x 128)")
     ap.add_argument("--regimes", nargs="+", default=[*REGIMES, "tiny-base"], choices=[*REGIMES, "tiny-base"])
     ap.add_argument("--base", type=Path, default=BASE, help="a trained checkpoint for the tiny-base regime")
     ap.add_argument("--layer", type=int, default=3, help="the tiny base's most peaked layer (top weight 0.29)")

@@ -1,14 +1,16 @@
-"""Which documents pay for cuDNN's dense kernel (the 'cudnn' backend routes every document of at
-least cudnn_attention.LONG_DOC tokens to it, one call each, the rest to FlashAttention-2's varlen
-kernel in one call). On the product's gpu-64k Llama (12 heads x 64) auto -> cudnn trained its 4K
-stages at 0.5-0.65x FlashAttention-2's tokens/s and its 64K stage at 1.34x (2026-11-29): per-call
-costs (a host loop, padding copies, one cuDNN plan per padded length) against per-call work.
+"""Which documents pay for a cuDNN call of their own. The 'cudnn' backend gives every document
+long enough (cudnn_attention.long_doc: length^2 x heads x head dim >= CALL_WORK) a dense cuDNN call
+and the rest FlashAttention-2's varlen kernel in one call; under the old rule (every document of
+1,024 tokens or more to cuDNN) the product's gpu-64k Llama (12 heads x 64) trained its 4K stages at
+0.5-0.65x FlashAttention-2's tokens/s and its 64K stage at 1.34x (2026-11-29): per-call costs (a host
+loop, padding copies, one cuDNN plan per padded length) against per-call work.
 
 Per head shape (query heads / key-value heads / head dim) and document length L: a packed batch
-of --tokens tokens made of documents of L tokens, forward + backward of attention.cudnn (every
-document through cuDNN) and of attention.varlen (FlashAttention-2), bf16, median of --reps after
-two warm-up calls; and cuDNN's first call at that L (its plans built). Printed: the table and, per
-shape, the shortest L from which cuDNN is faster at every longer L (the crossover).
+of --tokens tokens made of documents of L tokens, forward + backward, bf16, median of --reps after
+two warm-up calls, of attention.varlen (FlashAttention-2), of attention.cudnn with every document
+through cuDNN ("cudnn", and its first call: the plans built) and as routed by CALL_WORK ("routed").
+Printed: the table and, per shape, the shortest L from which cuDNN is faster at every longer L
+(the crossover), beside the threshold the rule gives.
 
     python bench/cudnn_routing.py --out bench/results        # on a CUDA machine with cuDNN >= 9
 """
@@ -83,15 +85,22 @@ def run_case(case: dict, reps: int) -> dict:
     leaves = [t.requires_grad_() for t in (q, k, v)]
     cu = torch.tensor(case["bounds"], dtype=torch.int32, device=dev)
     row = {key: val for key, val in case.items() if key != "bounds"}
-    for name in ("varlen", "cudnn"):
-        fn, plan = attention.BACKENDS[name], attention.plan(name, case["bounds"], dev)
+    width = case["heads"] * case["dim"]
+    row["long_doc"] = cudnn_attention.long_doc(width)
+    for name, backend, long_doc in (("varlen", "varlen", None), ("cudnn", "cudnn", 128), ("routed", "cudnn", None)):
+        cudnn_attention.LONG_DOC = long_doc
+        try:
+            fn, plan = attention.BACKENDS[backend], attention.plan(backend, case["bounds"], dev, width)
 
-        def step(fn=fn, plan=plan):
-            out = fn(*leaves, cu, plan=plan)
-            out.backward(torch.ones_like(out))
-        first, median = timed(step, reps)
+            def step(fn=fn, plan=plan):
+                out = fn(*leaves, cu, plan=plan)
+                out.backward(torch.ones_like(out))
+            first, median = timed(step, reps)
+        finally:
+            cudnn_attention.LONG_DOC = None
         row[f"{name}_ms"], row[f"{name}_first_s"] = round(median * 1e3, 3), round(first, 3)
     row["cudnn_vs_varlen"] = round(row["cudnn_ms"] / row["varlen_ms"], 3)
+    row["routed_vs_varlen"] = round(row["routed_ms"] / row["varlen_ms"], 3)
     return row
 
 
@@ -113,24 +122,26 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     args = ap.parse_args()
-    if args.tokens < min(args.lengths) or min(args.lengths) < cudnn_attention.LONG_DOC:
-        ap.error(f"--lengths: each at least LONG_DOC ({cudnn_attention.LONG_DOC}: shorter ones never take cuDNN), "
-                 f"and --tokens {args.tokens} must hold the shortest")
+    if args.tokens < min(args.lengths) or min(args.lengths) < 128:
+        ap.error(f"--lengths: each at least 128 (cuDNN's shortest plan), and --tokens {args.tokens} must hold the "
+                 "shortest")
     todo = cases(args.shapes, args.lengths, args.tokens)
     if not torch.cuda.is_available() or "cudnn" not in attention.available(torch.device("cuda")):
         raise SystemExit("cudnn_routing: needs a CUDA GPU with cuDNN >= 9 (sm80+)")
-    fields = {"tokens": args.tokens, "reps": args.reps, "long_doc": cudnn_attention.LONG_DOC,
-              "cudnn_gqa": "native" if cudnn_attention.NATIVE_GQA else "repeat", "rows": []}
-    print(f"{'shape':>10} {'L':>6} {'docs':>5} {'varlen ms':>10} {'cudnn ms':>10} {'ratio':>6} {'cudnn 1st s':>11}",
-          flush=True)
+    fields = {"tokens": args.tokens, "reps": args.reps, "call_work": cudnn_attention.CALL_WORK, "rows": []}
+    print(f"{'shape':>10} {'L':>6} {'docs':>5} {'varlen ms':>10} {'cudnn ms':>10} {'ratio':>6} {'cudnn 1st s':>11} "
+          f"{'routed ms':>10} {'ratio':>6}", flush=True)
     for case in todo:
         row = run_case(case, args.reps)
         fields["rows"].append(row)
         print(f"{row['shape']:>10} {row['length']:>6} {row['documents']:>5} {row['varlen_ms']:>10.3f} "
-              f"{row['cudnn_ms']:>10.3f} {row['cudnn_vs_varlen']:>6.3f} {row['cudnn_first_s']:>11.3f}", flush=True)
+              f"{row['cudnn_ms']:>10.3f} {row['cudnn_vs_varlen']:>6.3f} {row['cudnn_first_s']:>11.3f} "
+              f"{row['routed_ms']:>10.3f} {row['routed_vs_varlen']:>6.3f}", flush=True)
     fields["crossover"] = {s: crossover([r for r in fields["rows"] if r["shape"] == s]) for s in args.shapes}
     for shape, length in fields["crossover"].items():
-        print(f"{shape}: cuDNN faster from {length if length else 'no measured length'}")
+        h, _, d = parse_shape(shape)
+        print(f"{shape}: cuDNN faster from {length or 'no measured length'}; the rule sends documents from "
+              f"{cudnn_attention.long_doc(h * d)} tokens")
     write_result(args.out, "cudnn_routing", fields, quiet=False)
 
 

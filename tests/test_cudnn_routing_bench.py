@@ -38,7 +38,7 @@ def test_crossover_is_where_cudnn_wins_for_good():
     assert cudnn_routing.crossover(rows(1.2, 1.01)) is None
 
 
-@pytest.mark.parametrize(("extra", "message"), [(["--lengths", "512"], "LONG_DOC"),
+@pytest.mark.parametrize(("extra", "message"), [(["--lengths", "100"], "at least 128"),
                                                 (["--tokens", "100"], "--tokens 100"),
                                                 (["--shapes", "8/3/64"], "--shapes '8/3/64'"),
                                                 ([], "needs a CUDA GPU")])

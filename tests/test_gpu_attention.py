@@ -66,17 +66,15 @@ def test_backend_matches_reference(backend, fox, d, dtype):
 @pytest.mark.parametrize("lengths", [[17, 300, 129, 578], [1024], [40, 1000, 3], [256, 1, 767]])
 @pytest.mark.parametrize("heads", [(8, 8), (8, 2)])
 @pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("native_gqa", [False, True])
-def test_cudnn_routes_long_and_short_documents(lengths, heads, d, native_gqa, monkeypatch):
-    """Documents of at least LONG_DOC tokens take cuDNN (padded to a plan size), the rest
-    FlashAttention-2: both against the fp64 reference, GQA too (k/v repeated to q's heads, or
-    given to cuDNN as they are: LONGCTX_CUDNN_GQA=native), with and without a host plan."""
+@pytest.mark.parametrize("long_doc", [128, None])
+def test_cudnn_routes_long_and_short_documents(lengths, heads, d, long_doc, monkeypatch):
+    """Documents long enough (here 128 tokens; None: the rule, which sends none of these) take cuDNN
+    (padded to a plan size, grouped k/v with their own heads), the rest FlashAttention-2 (all of them
+    in place, without a gather, when every document is short): both against the fp64 reference, with
+    and without a host plan."""
     if "cudnn" not in attention.available(DEV):
         pytest.skip("no cuDNN attention here")
-    if native_gqa and heads[0] == heads[1]:
-        pytest.skip("no grouped heads")
-    monkeypatch.setattr(cudnn_attention, "LONG_DOC", 128)
-    monkeypatch.setattr(cudnn_attention, "NATIVE_GQA", native_gqa)
+    monkeypatch.setattr(cudnn_attention, "LONG_DOC", long_doc)
     n = sum(lengths)
     bounds = [0]
     for length in lengths:
@@ -86,7 +84,7 @@ def test_cudnn_routes_long_and_short_documents(lengths, heads, d, native_gqa, mo
     h, hk = heads
     leaves = [torch.randn(n, x, d, generator=gen, device=DEV, dtype=torch.bfloat16).requires_grad_(True)
               for x in (h, hk, hk)]
-    for plan in (attention.plan("cudnn", bounds, DEV), None):
+    for plan in (attention.plan("cudnn", bounds, DEV, h * d), None):
         check_qkv(lambda *t, plan=plan: attention.cudnn(*t, cu, plan=plan), leaves, cu, 1e-2, 1e-2)
 
 

@@ -171,47 +171,57 @@ def test_bad_shapes_are_refused():
 def test_cudnn_plan_routes_documents_by_length():
     from longctx.model import cudnn_attention as ca
 
-    plan = ca.plan([0, 17, 317, 1500, 1502, 3000], torch.device("cpu"))
+    wide = 2**34 // 1024**2  # heads x head dim for which the rule's threshold is 1,024 tokens
+    plan = ca.plan([0, 17, 317, 1500, 1502, 3000], torch.device("cpu"), wide)
     assert plan.long_docs.tolist() == [[317, 1183, 1280], [1502, 1498, 1536]]  # start, length, padded
     assert plan.short_index.tolist() == [*range(0, 317), 1500, 1501]
-    assert plan.short_cu.tolist() == [0, 17, 317, 319]
+    assert plan.short_cu.tolist() == [0, 17, 317, 319] and plan.long_doc == 1024
     # batches of one length get plans of one shape, whatever their documents (no recompiles)
     batches = ([0, 4096], [0, 100, 4096], [0, 3196, *range(3296, 4097, 100)], [0, 1024, 2048, 3072, 4096])
-    shapes = {ca.plan(b, torch.device("cpu")).long_docs.shape for b in batches}
+    shapes = {ca.plan(b, torch.device("cpu"), wide).long_docs.shape for b in batches}
     assert shapes == {(4, 3)}
-    assert ca.plan([0, 100, 4096], torch.device("cpu")).long_docs.tolist() == [[100, 3996, 4096]] + [[0, 0, 0]] * 3
+    long_docs = ca.plan([0, 100, 4096], torch.device("cpu"), wide).long_docs
+    assert long_docs.tolist() == [[100, 3996, 4096]] + [[0, 0, 0]] * 3
     sizes = {ca.padded_length(n) for n in range(1024, 65537)}
     assert len(sizes) <= 7 * 8  # a few cuDNN plans per octave
     assert all(n <= ca.padded_length(n) < 1.13 * n for n in range(1024, 65537))
 
 
-@pytest.mark.parametrize("length, padded, heads", [(640, 640, 4), (600, 640, 4), (640, 640, 8)])
-def test_cudnn_documents_carry_a_batch_stride_no_other_caller_has(length, padded, heads):
-    """A document's dense [1, H, L, D] view holds its rows (zero rows after, grouped heads repeated),
-    and its batch stride is none that a contiguous tensor or a view of packed rows has: PyTorch's
-    cuDNN graph cache keys on q/k/v strides alone, so that stride keeps our graphs apart from
-    F.scaled_dot_product_attention's, whose gradient layout differs (issue 32)."""
+def test_cudnn_takes_documents_whose_work_pays_for_a_call(monkeypatch):
+    """The threshold falls with heads x head dim (length^2 x width >= CALL_WORK): the gpu-64k
+    Llama's 4K documents (12 x 64) stay with FlashAttention-2, where cuDNN was 1.10x slower on an
+    H200; the 8B's at 2,048 tokens (32 x 128) and 2,897 (16 x 128 a rank under SP 2) take cuDNN."""
+    from longctx.model import cudnn_attention as ca
+
+    assert [ca.long_doc(h * d) for h, d in ((12, 64), (16, 128), (32, 128), (2, 32))] == [4730, 2897, 2048, 16384]
+    for width in (768, 2048, 4096, 3000):
+        t = ca.long_doc(width)
+        assert t**2 * width >= ca.CALL_WORK > (t - 1) ** 2 * width
+    assert ca.long_doc(10**9) == 128  # (cuDNN's shortest plan)
+    plan = ca.plan([0, 4096, 8192, 12922, 17652], torch.device("cpu"), 12 * 64)
+    assert plan.long_docs.tolist() == [[8192, 4730, 5120], [12922, 4730, 5120], [0, 0, 0]]
+    assert plan.short_index.tolist() == list(range(8192)) and plan.short_cu.tolist() == [0, 4096, 8192]
+    assert ca.plan([0, 4096, 8192], torch.device("cpu"), 12 * 64).long_docs[:, 1].tolist() == [0, 0]
+    monkeypatch.setattr(ca, "LONG_DOC", 100)  # (the override tests and benches use)
+    assert ca.long_doc(768) == 100 and ca.plan([0, 100, 199], torch.device("cpu"), 768).long_docs[0].tolist() == [
+        0, 100, 128]
+
+
+@pytest.mark.parametrize("length, padded", [(640, 640), (600, 640)])
+def test_cudnn_documents_carry_a_batch_stride_no_other_caller_has(length, padded):
+    """A document's dense [1, H, L, D] view holds its rows (zero rows after), and its batch stride is
+    none that a contiguous tensor or a view of packed rows has: PyTorch's cuDNN graph cache keys on
+    q/k/v strides alone, so that stride keeps our graphs apart from F.scaled_dot_product_attention's,
+    whose gradient layout differs (issue 32)."""
     from longctx.model import cudnn_attention as ca
 
     t = torch.randn(1000, 4, 16)
-    dense = ca._dense(t, 300, length, padded, heads)
-    want = t[300:300 + length].repeat_interleave(heads // 4, dim=1)
-    want = torch.cat((want, want.new_zeros(padded - length, heads, 16))).transpose(0, 1)[None]
+    dense = ca._dense(t, 300, length, padded)
+    want = torch.cat((t[300:300 + length], t.new_zeros(padded - length, 4, 16))).transpose(0, 1)[None]
     assert torch.equal(dense, want)
-    natural = {want.contiguous().stride(0), want.stride(0), t.stride(0) * t.shape[0], heads * 16}
+    natural = {want.contiguous().stride(0), want.stride(0), t.stride(0) * t.shape[0], 4 * 16}
     assert dense.stride(0) not in natural and dense.stride()[1:] == want.stride()[1:]
     assert dense.stride(0) % 8 == 0  # 16-byte aligned in bf16, as cuDNN's tensor maps need
-
-
-def test_cudnn_gets_grouped_kv_heads_repeated_unless_native(monkeypatch):
-    from longctx.model import cudnn_attention as ca
-
-    k = torch.randn(700, 2, 16)
-    monkeypatch.setattr(ca, "NATIVE_GQA", False)
-    assert ca._dense(k, 10, 600, 640, 8).shape == (1, 8, 640, 16)
-    monkeypatch.setattr(ca, "NATIVE_GQA", True)
-    native = ca._dense(k, 10, 600, 640, 8)
-    assert native.shape == (1, 2, 640, 16) and torch.equal(native[0, :, :600], k[10:610].transpose(0, 1))
 
 
 def test_doc_cumsum_restarts_at_every_document_with_its_gradient():

@@ -209,10 +209,11 @@ PLAIN_ONLY = ("cudnn", "flash_attn", "varlen")
 """Backends without the forget gate."""
 
 
-def plan(name: str, bounds: list[int], device: torch.device):
-    """What backend `name` needs to know of the documents (host boundaries `bounds`), or None."""
+def plan(name: str, bounds: list[int], device: torch.device, width: int):
+    """What backend `name` needs to know of the documents (host boundaries `bounds`) for attention
+    of `width` = heads x head dim (a rank's heads), or None."""
     if name == "cudnn":
-        return cudnn_attention.plan(bounds, device)
+        return cudnn_attention.plan(bounds, device, width)
     if name in ("flash_attn", "varlen"):
         return _max_len(bounds)
     return None

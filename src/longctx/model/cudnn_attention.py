@@ -3,10 +3,10 @@
 cuDNN's dense attention is 1.5x FlashAttention-2's on Hopper (H200, 16K tokens, heads x D =
 2048, fwd + bwd: 9.0 against 13.8 ms at D 64, 7.3 against 12.3 at D 128), but its variable-
 length (ragged) mode in torch 2.11 returns NaN gradients and faults; and each sequence length
-is a new cuDNN execution plan. So every document of at least LONG_DOC tokens is one dense causal
-call, its length padded up to one of a few sizes per octave (padding after a causal document
-changes none of its rows, and padded rows get no gradient), and the shorter documents, cheap
-under a quadratic cost, go through FlashAttention-2's varlen kernel in one call.
+is a new cuDNN execution plan. So every document long enough to pay for a call of its own
+(`long_doc`) is one dense causal call, its length padded up to one of a few sizes per octave
+(padding after a causal document changes none of its rows, and padded rows get no gradient),
+and the shorter documents go through FlashAttention-2's varlen kernel in one call.
 
 The plan (which document goes where) is made on the host from boundaries the caller read
 without a device sync, and both passes are custom ops, so torch.compile sees one op each.
@@ -14,19 +14,31 @@ without a device sync, and both passes are custom ops, so torch.compile sees one
 
 from __future__ import annotations
 
-import os
+import math
 from dataclasses import dataclass
 
 import torch
 
 from .transfer import to_device
 
-LONG_DOC = 1024
-"""Documents at least this long take the cuDNN kernel; shorter ones FlashAttention-2's."""
-NATIVE_GQA = os.environ.get("LONGCTX_CUDNN_GQA", "repeat") == "native"
-"""k/v of fewer heads than q straight to cuDNN, which takes them (probed on an H200: errors as
-MHA's), instead of copies repeated to q's heads (at 1M tokens a rank, ~12 GiB of copies a layer's
-backward): LONGCTX_CUDNN_GQA=native, off until the CUDA tests have run it."""
+CALL_WORK = 2**34
+"""A document takes a cuDNN call of its own when its causal attention, length^2 x heads x head
+dim (the heads of a rank), is at least this; below it a call's fixed costs (the host loop, the
+padding copies) lose to FlashAttention-2's one call over every short document. On an H200
+(bench/cudnn_routing.py, 2026-11-29, fwd + bwd, equal documents), cuDNN's time over FA2's: 1.10
+at 4,096 tokens x 12 heads x 64 (1.3e10), 0.98 at 2,048 x 32 x 128 (1.7e10), 0.78-0.79 at
+8,192 x 12 x 64 and 4,096 x 16 x 128 (3.4e10-5.2e10), 0.56-0.67 from 16K tokens; at 1,024 tokens
+(every document a call, the old rule) 2.1-10.6. The gpu-64k product's 4K stages ran at 0.5-0.65x
+FA2's tokens/s under that rule."""
+LONG_DOC: int | None = None
+"""A length in tokens that overrides CALL_WORK (tests and benches routing short documents to cuDNN)."""
+
+
+def long_doc(width: int) -> int:
+    """The shortest document that takes cuDNN, for `width` = heads x head dim on a rank."""
+    if LONG_DOC is not None:
+        return LONG_DOC
+    return max(128, math.isqrt(-(-CALL_WORK // width) - 1) + 1)  # ceil(sqrt(CALL_WORK / width))
 
 
 def padded_length(length: int) -> int:
@@ -45,12 +57,16 @@ class Plan:
     """int64 on the device: the token positions of the short documents, in order."""
     short_cu: torch.Tensor
     """int32 on the device: the short documents' boundaries within short_index."""
+    long_doc: int
+    """The routing's threshold: every short document is shorter (FlashAttention sizes its grid by it)."""
 
 
-def plan(bounds: list[int], device: torch.device) -> Plan:
+def plan(bounds: list[int], device: torch.device, width: int) -> Plan:
+    """Where each document of `bounds` goes, for attention of `width` = heads x head dim a rank."""
+    threshold = long_doc(width)
     long, short, short_cu = [], [], [0]
     for a, b in zip(bounds[:-1], bounds[1:], strict=True):
-        if b - a >= LONG_DOC:
+        if b - a >= threshold:
             long.append((a, b - a, padded_length(b - a)))
         elif b > a:
             short.append(torch.arange(a, b))
@@ -58,18 +74,16 @@ def plan(bounds: list[int], device: torch.device) -> Plan:
     index = torch.cat(short) if short else torch.zeros(0, dtype=torch.int64)
     # one shape for every batch of a length (zero rows after the documents): torch.compile
     # specializes on sizes 0 and 1, and recompiled per count until its limit made the blocks eager
-    long += [(0, 0, 0)] * (max(2, (bounds[-1] - bounds[0]) // LONG_DOC) - len(long))
+    long += [(0, 0, 0)] * (max(2, (bounds[-1] - bounds[0]) // threshold) - len(long))
     return Plan(torch.tensor(long, dtype=torch.int64).reshape(-1, 3), to_device(index, device),
-                to_device(torch.tensor(short_cu, dtype=torch.int32), device))
+                to_device(torch.tensor(short_cu, dtype=torch.int32), device), threshold)
 
 
-def _dense(t: torch.Tensor, start: int, length: int, padded: int, heads: int) -> torch.Tensor:
-    """Rows [start, start + length) of a packed [N, h, D] tensor as a [1, heads, padded, D]
-    tensor in cuDNN's BSHD layout, zero rows appended, grouped heads repeated to `heads` unless
-    NATIVE_GQA (then they keep their own)."""
+def _dense(t: torch.Tensor, start: int, length: int, padded: int) -> torch.Tensor:
+    """Rows [start, start + length) of a packed [N, h, D] tensor as a [1, h, padded, D] tensor in
+    cuDNN's BSHD layout, zero rows appended. Grouped k/v keep their own heads: cuDNN takes fewer
+    than q's (on an H200 as right as FlashAttention-2, with the memory of repeated copies saved)."""
     rows = t[start:start + length]
-    if rows.shape[1] != heads and not NATIVE_GQA:
-        rows = rows.repeat_interleave(heads // rows.shape[1], dim=1)
     if padded != length:
         rows = torch.cat((rows, rows.new_zeros(padded - length, *rows.shape[1:])))
     return _private(rows.transpose(0, 1)[None])
@@ -87,16 +101,17 @@ def _private(t: torch.Tensor) -> torch.Tensor:
     return t.as_strided(t.shape, (t.numel() + 8, *t.stride()[1:]))
 
 
-def _grouped(grad: torch.Tensor, heads: int) -> torch.Tensor:
-    """[L, H, D] gradients of repeated heads summed back to [L, heads, D]."""
-    if grad.shape[1] == heads:
-        return grad
-    return grad.unflatten(1, (heads, grad.shape[1] // heads)).sum(2)
+def _short(tensors: list[torch.Tensor], index: torch.Tensor) -> list[torch.Tensor]:
+    """The short documents' rows of each tensor: the tensors themselves when every token is in one."""
+    if index.numel() == tensors[0].shape[0]:
+        return tensors
+    return [t.index_select(0, index) for t in tensors]
 
 
 @torch.library.custom_op("longctx::doc_attention", mutates_args=())
 def doc_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, long_docs: torch.Tensor,
-                  short_index: torch.Tensor, short_cu: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                  short_index: torch.Tensor, short_cu: torch.Tensor, long_doc: int,
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [N, H, D], log-sum-exp [H, N] fp32)."""
     n, h, _ = q.shape
     out = torch.empty_like(q)
@@ -105,70 +120,70 @@ def doc_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, long_docs: 
         if not length:
             continue
         res = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            *(_dense(t, start, length, padded, h) for t in (q, k, v)), None, True, 0.0, True, False, scale=scale)
+            *(_dense(t, start, length, padded) for t in (q, k, v)), None, True, 0.0, True, False, scale=scale)
         out[start:start + length] = res[0][0, :, :length].transpose(0, 1)
         lse[:, start:start + length] = res[1][0, :, :length, 0]
     if short_index.numel():
-        qs, ks, vs = (t.index_select(0, short_index) for t in (q, k, v))
-        # LONG_DOC bounds the short documents' lengths (FlashAttention sizes its grid by it)
-        o, lse_s, *_ = torch.ops.aten._flash_attention_forward(qs, ks, vs, short_cu, short_cu, LONG_DOC, LONG_DOC,
-                                                               0.0, True, False, scale=scale)
+        o, lse_s, *_ = torch.ops.aten._flash_attention_forward(*_short([q, k, v], short_index), short_cu, short_cu,
+                                                               long_doc, long_doc, 0.0, True, False, scale=scale)
+        if short_index.numel() == n:
+            return o, lse_s
         out.index_copy_(0, short_index, o)
         lse.index_copy_(1, short_index, lse_s)
     return out, lse
 
 
 @doc_attention.register_fake
-def _(q, k, v, long_docs, short_index, short_cu, scale):
+def _(q, k, v, long_docs, short_index, short_cu, long_doc, scale):
     return torch.empty_like(q), q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
 
 
 @torch.library.custom_op("longctx::doc_attention_backward", mutates_args=())
 def doc_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                            lse: torch.Tensor, long_docs: torch.Tensor, short_index: torch.Tensor,
-                           short_cu: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    h, hk = q.shape[1], k.shape[1]
+                           short_cu: torch.Tensor, long_doc: int,
+                           scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     unused = torch.zeros((), dtype=torch.int64, device=q.device)  # dropout's seed and offset
     for start, length, padded in long_docs.tolist():
         if not length:
             continue
-        lse_d = lse.new_zeros(1, h, padded, 1)
+        lse_d = lse.new_zeros(1, q.shape[1], padded, 1)
         lse_d[0, :, :length, 0] = lse[:, start:start + length]
-        dense = [_dense(t, start, length, padded, h) for t in (grad, q, k, v, out)]
+        dense = [_dense(t, start, length, padded) for t in (grad, q, k, v, out)]
         g = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
             *dense, lse_d, unused, unused, None, None, None, padded, padded, 0.0, True, scale=scale)
-        dq[start:start + length] = g[0][0, :, :length].transpose(0, 1)
-        dk[start:start + length] = _grouped(g[1][0, :, :length].transpose(0, 1), hk)
-        dv[start:start + length] = _grouped(g[2][0, :, :length].transpose(0, 1), hk)
+        for whole, part in zip((dq, dk, dv), g[:3], strict=True):
+            whole[start:start + length] = part[0, :, :length].transpose(0, 1)
     if short_index.numel():
-        picked = [t.index_select(0, short_index) for t in (grad, q, k, v, out)]
+        lse_s = lse if short_index.numel() == q.shape[0] else lse.index_select(1, short_index).contiguous()
         rng = torch.zeros(2, dtype=torch.uint64, device=q.device)
-        gq, gk, gv = torch.ops.aten._flash_attention_backward(
-            *picked, lse.index_select(1, short_index).contiguous(), short_cu, short_cu, LONG_DOC, LONG_DOC, 0.0,
+        grads = torch.ops.aten._flash_attention_backward(
+            *_short([grad, q, k, v, out], short_index), lse_s, short_cu, short_cu, long_doc, long_doc, 0.0,
             True, rng, torch.empty(0, device=q.device), scale=scale)
-        dq.index_copy_(0, short_index, gq)
-        dk.index_copy_(0, short_index, gk)
-        dv.index_copy_(0, short_index, gv)
+        if short_index.numel() == q.shape[0]:
+            return grads[:3]
+        for whole, part in zip((dq, dk, dv), grads[:3], strict=True):
+            whole.index_copy_(0, short_index, part)
     return dq, dk, dv
 
 
 @doc_attention_backward.register_fake
-def _(grad, q, k, v, out, lse, long_docs, short_index, short_cu, scale):
+def _(grad, q, k, v, out, lse, long_docs, short_index, short_cu, long_doc, scale):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, long_docs, short_index, short_cu, scale = inputs
+    q, k, v, long_docs, short_index, short_cu, long_doc, scale = inputs
     ctx.save_for_backward(q, k, v, output[0], output[1], long_docs, short_index, short_cu)
-    ctx.scale = scale
+    ctx.long_doc, ctx.scale = long_doc, scale
 
 
 def _backward(ctx, grad, _grad_lse):
     q, k, v, out, lse, long_docs, short_index, short_cu = ctx.saved_tensors
     dq, dk, dv = doc_attention_backward(grad.contiguous(), q, k, v, out, lse, long_docs, short_index, short_cu,
-                                        ctx.scale)
-    return dq, dk, dv, None, None, None, None
+                                        ctx.long_doc, ctx.scale)
+    return dq, dk, dv, None, None, None, None, None
 
 
 doc_attention.register_autograd(_backward, setup_context=_setup)
@@ -177,7 +192,7 @@ doc_attention.register_autograd(_backward, setup_context=_setup)
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, plan_: Plan | None = None,
            scale: float | None = None) -> torch.Tensor:
     if plan_ is None:  # boundaries read from the device: one sync (training passes a plan)
-        plan_ = plan(cu_seqlens.tolist(), q.device)
+        plan_ = plan(cu_seqlens.tolist(), q.device, q.shape[1] * q.shape[2])
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     q, k, v = (t.contiguous() for t in (q, k, v))
-    return doc_attention(q, k, v, plan_.long_docs, plan_.short_index, plan_.short_cu, scale)[0]
+    return doc_attention(q, k, v, plan_.long_docs, plan_.short_index, plan_.short_cu, plan_.long_doc, scale)[0]

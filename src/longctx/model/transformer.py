@@ -421,7 +421,9 @@ class Transformer(nn.Module):
                              f"model is {'FoX' if self.cfg.fox else 'not FoX'} and attends with {name!r} on "
                              f"{device.type}")
         attend = attention.BACKENDS[name]
-        plan = attention.plan(name, host, device) if host is not None else None
+        sp = dist.get_world_size(self.sp_group) if self.sp_group is not None else 1
+        width = self.cfg.n_heads // sp * self.cfg.dim_head
+        plan = attention.plan(name, host, device, width) if host is not None else None
         if plan is not None:
             attend = functools.partial(attend, plan=plan)
         acp_eps = self.acp.eps if self.acp is not None and cache is None else None
