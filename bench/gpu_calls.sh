@@ -62,8 +62,8 @@
 #                                      the kernels' 32-bit offsets (now 64-bit past 2**31 elements), and would
 #                                      have met the pinned allocator's rounding (4.5 GiB taking 8; now pieces).
 #                                      Before it, the CUDA tests of both (~1-2 minutes)
-# The Transformer's rows take ATTENTION (default auto: cuDNN on Hopper since 2026-11-28, its per-document copies
-# ~20-28 GiB more a rank at 1M tokens; ATTENTION=varlen: FlashAttention-2, as every row before).
+# The Transformer's rows take ATTENTION (default auto: cuDNN on Hopper since 2026-11-28, a layer's attention at a
+# rank's 1M tokens up to ~13 GiB higher at its peak; ATTENTION=varlen: FlashAttention-2, as every row before).
 # What comes back (8 files at most): scale.tar.gz (scale.py's JSON and logs), tests*.log,
 # pipeline-*.tar.gz (bench/gpu_pipeline.sh's files), device.log. LIMIT: seconds for the whole script.
 set -uo pipefail

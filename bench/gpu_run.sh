@@ -3,7 +3,7 @@
 # pydantic; fla-core for the attention bench's peer). Logs and JSON go to $OUT (or bench/results).
 #   bash bench/gpu_run.sh [tests] [train_throughput] [model_step] [attention] [gates] [positions] [decode]
 #                         [fox_training] [fox_kernel] [decode_tests] [tiny_retrieval] [cudnn_grads] [attention_tests]
-#                         [cudnn_long] [cudnn_keys] [cudnn_gqa]   (default: all but the last seven)
+#                         [cudnn_long] [cudnn_keys] [cudnn_routing]   (default: all but the last seven)
 # gates: a FoX (Pro) 125M trained 300 steps on data/packed/stage2 (carry it: the tiny profile's pack
 # stage makes it), its gates sampled for tests/test_fox_kernel.py, then attention.py with its forget gates
 # at 16K and 64K. positions: bench/positions.py on the same split. fox_training / fox_kernel: the two
@@ -17,8 +17,8 @@
 # cudnn_grads on the tiny base in both orders, with the wrapper's own batch stride and without
 # (--shared-keys), the CUDA attention tests, and bench/attention.py at 16K and 64K (cudnn_doc: the
 # wrapper beside PyTorch's path, the same kernel).
-# cudnn_gqa (~3 minutes): LONGCTX_CUDNN_GQA=native (k/v to cuDNN with their own heads, no repeated copies):
-# the cuDNN CUDA tests and cudnn_long's 32/8 heads with it, before it may become the default.
+# cudnn_routing (~1 minute): which documents pay for a cuDNN call of their own (bench/cudnn_routing.py: cuDNN
+# for every document, FlashAttention-2, and the backend as routed, per document length and head shape).
 # tests: TESTS_LIMIT seconds (default 540) over TESTS_WORKERS pytest-xdist workers (default 8; the image
 # has xdist): the kernels' compilation, not the GPU, is what the CUDA matrix waits on.
 set -uo pipefail
@@ -68,11 +68,7 @@ for part in $parts; do
                 timeout 300 python3 -m pytest -q -rxX -p no:cacheprovider -n 4 tests/test_gpu_attention.py 2>&1 \
                   | tee "$out/gpu_attention_tests.log"
                 python3 bench/attention.py --lengths 16384 65536 --dims 128 --out "$out" 2>&1 | tee "$out/attention.log" ;;
-    cudnn_gqa) (export LONGCTX_CUDNN_GQA=native
-                timeout 300 python3 -m pytest -q -rxX -p no:cacheprovider -n 4 tests/test_gpu_attention.py -k cudnn 2>&1 \
-                  | tee "$out/gpu_attention_tests_native_gqa.log"
-                python3 bench/cudnn_grads.py --heads 32 8 --lengths 8192 4096 37 4096 900 --regimes unit peaked sinks \
-                  --out "$out/native_gqa" 2>&1 | tee "$out/cudnn_long_native_gqa.log") ;;
+    cudnn_routing) python3 bench/cudnn_routing.py --out "$out" 2>&1 | tee "$out/cudnn_routing.log" ;;
     decode_tests) timeout 240 python3 -m pytest -q -p no:cacheprovider -n 4 tests/test_decode.py 2>&1 \
              | tee "$out/gpu_decode_tests.log" ;;
     tiny_retrieval) python3 bench/tiny_retrieval.py --tokens data/tokens --lengths 512 4096 --evals 3 --parallel 2 \

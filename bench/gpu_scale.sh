@@ -27,8 +27,8 @@
 #          parts), the block inputs in host memory but for the last $KEEP blocks (default 0);
 #          STATES=host: FSDP2's CPU offload of the weights and optimizer state too (one GPU's must)
 # ATTENTION: the Transformer's backend (default auto: cuDNN on Hopper since 2026-11-28; the rows
-#          before ran FlashAttention-2's varlen, ATTENTION=varlen; cuDNN's per-document copies cost
-#          ~20-28 GiB more a rank at 1M tokens with k/v repeated to q's heads: LONGCTX_CUDNN_GQA=native)
+#          before ran FlashAttention-2's varlen, ATTENTION=varlen; one layer's attention at a rank's 1M
+#          tokens peaks up to ~13 GiB higher on cuDNN, bench/attention_draws.py's peak_gib)
 # nooffload: $MODELS at $LONG_SEQ as millions, nothing in host memory (a step of the bisection for the
 #          longest that trains without offload: FoX (Pro)+ACP on 2 x H200 trained 507,904, not 524,288)
 set -uo pipefail
