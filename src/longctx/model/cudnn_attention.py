@@ -58,7 +58,7 @@ class Plan:
     short_cu: torch.Tensor
     """int32 on the device: the short documents' boundaries within short_index."""
     long_doc: int
-    """The routing's threshold: every short document is shorter (FlashAttention sizes its grid by it)."""
+    """The routing's threshold: every short document is shorter."""
 
 
 def plan(bounds: list[int], device: torch.device, width: int) -> Plan:
@@ -124,8 +124,9 @@ def doc_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, long_docs: 
         out[start:start + length] = res[0][0, :, :length].transpose(0, 1)
         lse[:, start:start + length] = res[1][0, :, :length, 0]
     if short_index.numel():
+        bound = min(long_doc, n)  # (FlashAttention sizes its grid by it)
         o, lse_s, *_ = torch.ops.aten._flash_attention_forward(*_short([q, k, v], short_index), short_cu, short_cu,
-                                                               long_doc, long_doc, 0.0, True, False, scale=scale)
+                                                               bound, bound, 0.0, True, False, scale=scale)
         if short_index.numel() == n:
             return o, lse_s
         out.index_copy_(0, short_index, o)
@@ -157,9 +158,9 @@ def doc_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
             whole[start:start + length] = part[0, :, :length].transpose(0, 1)
     if short_index.numel():
         lse_s = lse if short_index.numel() == q.shape[0] else lse.index_select(1, short_index).contiguous()
-        rng = torch.zeros(2, dtype=torch.uint64, device=q.device)
+        rng, bound = torch.zeros(2, dtype=torch.uint64, device=q.device), min(long_doc, q.shape[0])
         grads = torch.ops.aten._flash_attention_backward(
-            *_short([grad, q, k, v, out], short_index), lse_s, short_cu, short_cu, long_doc, long_doc, 0.0,
+            *_short([grad, q, k, v, out], short_index), lse_s, short_cu, short_cu, bound, bound, 0.0,
             True, rng, torch.empty(0, device=q.device), scale=scale)
         if short_index.numel() == q.shape[0]:
             return grads[:3]
