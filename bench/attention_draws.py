@@ -28,6 +28,7 @@ step ran with (its row's `attention`, else --steps-attention) swapped for its ow
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 from pathlib import Path
@@ -76,6 +77,9 @@ class Layer:
         n, cu = int(bounds[-1]), bounds.to(self.device)
         cos, sin = self.model.rotary(packed_positions(cu, n), cu, torch.bfloat16)
         ctx = self.model.attention_context(cu, n, cos, sin, bounds.tolist())
+        if self.backend == "cudnn":  # routed as a rank routes under SP: by its share of the heads
+            ctx.attend = functools.partial(attention.cudnn, plan=attention.plan(
+                "cudnn", bounds.tolist(), self.device, self.attn.h // self.sp * self.attn.d))
         out = []
         for parts in self.heads(n, ranks):
             sync()
