@@ -28,7 +28,7 @@ padding copies) lose to FlashAttention-2's one call over every short document. O
 (bench/cudnn_routing.py, 2026-11-29, fwd + bwd, equal documents), cuDNN's time over FA2's: 1.10
 at 4,096 tokens x 12 heads x 64 (1.3e10), 0.98 at 2,048 x 32 x 128 (1.7e10), 0.78-0.79 at
 8,192 x 12 x 64 and 4,096 x 16 x 128 (3.4e10-5.2e10), 0.56-0.67 from 16K tokens; at 1,024 tokens
-(every document a call, the old rule) 2.1-10.6. The gpu-64k product's 4K stages ran at 0.5-0.65x
+(every document a call, the old rule) 1.6-10.6. The gpu-64k product's 4K stages ran at 0.5-0.65x
 FA2's tokens/s under that rule."""
 LONG_DOC: int | None = None
 """A length in tokens that overrides CALL_WORK (tests and benches routing short documents to cuDNN)."""
