@@ -25,16 +25,14 @@ from longctx.train.models import load_model
 from longctx.train.parallel import Parallel
 
 DEV = torch.device("cuda")
-# name: (backend, documents that take cuDNN's dense kernel: at least this many tokens)
-VARIANTS = {"sdpa": ("sdpa", None), "varlen": ("varlen", None), "cudnn": ("cudnn", 1024),
+# name: (backend, documents that take cuDNN's dense kernel: at least this many tokens; None: the model's rule)
+VARIANTS = {"sdpa": ("sdpa", None), "varlen": ("varlen", None), "cudnn": ("cudnn", None),
             "cudnn_dense_only": ("cudnn", 1), "cudnn_fa2_only": ("cudnn", 1 << 30)}
 
 
 def step(workspace: Path, name: str, split: str, samples: list[int]) -> tuple[float, dict[str, torch.Tensor]]:
     backend, long_doc = VARIANTS[name]
-    if backend == "cudnn":
-        cudnn_attention.LONG_DOC = long_doc
-    try:
+    with cudnn_attention.fixed_long_doc(long_doc):
         run = config.resolve({"profile": "gpu-64k"}).train.base.model_copy(update={"compile": False})
         model = prepare(load_model(workspace / "models" / "base", backend).to(DEV), run, Parallel(device=DEV))
         batch = make_batch(PackedDataset(workspace / "data" / "packed" / split / "train"), samples, DEV)
@@ -43,9 +41,6 @@ def step(workspace: Path, name: str, split: str, samples: list[int]) -> tuple[fl
                          loss_chunk=run.loss_chunk) / batch.valid
             loss.backward()
         return float(loss.detach()), {n: p.grad.detach().float().clone() for n, p in model.named_parameters()}
-    finally:
-        cudnn_attention.LONG_DOC = None
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

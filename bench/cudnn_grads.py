@@ -252,20 +252,20 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("cudnn_grads: needs a CUDA GPU (cuDNN's attention and FlashAttention-2)")
     dev = torch.device("cuda")
-    default_long, private = cudnn_attention.LONG_DOC, cudnn_attention._private
+    private = cudnn_attention._private
     variants, results = ordered(args.order), {}
     try:
-        cudnn_attention.LONG_DOC = args.long_doc
         if args.shared_keys:
             cudnn_attention._private = lambda t: t
-        for r in (r for r in args.regimes if r in REGIMES):
-            results[r] = errors(synthetic(r, args.lengths, tuple(args.heads), args.head_dim, dev), variants)
+        with cudnn_attention.fixed_long_doc(args.long_doc):
+            for r in (r for r in args.regimes if r in REGIMES):
+                results[r] = errors(synthetic(r, args.lengths, tuple(args.heads), args.head_dim, dev), variants)
         if "tiny-base" in args.regimes:  # trained at 512 tokens: documents within it, routed to cuDNN from 128
-            cudnn_attention.LONG_DOC = 128
-            results["tiny-base"] = errors(captured(args.base, [512, 37, 300, 512, 90, 450], dev, args.layer),
-                                          variants)
+            with cudnn_attention.fixed_long_doc(128):
+                results["tiny-base"] = errors(captured(args.base, [512, 37, 300, 512, 90, 450], dev, args.layer),
+                                              variants)
     finally:
-        cudnn_attention.LONG_DOC, cudnn_attention._private = default_long, private
+        cudnn_attention._private = private
     print(table(results))
     write_result(args.out, "cudnn_grads", {"lengths": args.lengths, "long_doc": args.long_doc, "heads": args.heads,
                                            "head_dim": args.head_dim, "cudnn": torch.backends.cudnn.version(),

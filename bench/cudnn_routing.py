@@ -6,8 +6,8 @@ and the rest FlashAttention-2's varlen kernel in one call; under the old rule (e
 loop, padding copies, one cuDNN plan per padded length) against per-call work.
 
 Per head shape (query heads / key-value heads / head dim) and document length L: a packed batch
-of --tokens tokens made of documents of L tokens, forward + backward, bf16, median of --reps after
-two warm-up calls, of attention.varlen (FlashAttention-2), of attention.cudnn with every document
+of --tokens tokens made of documents of L tokens, forward + backward, bf16, the median of
+triton's do_bench, of attention.varlen (FlashAttention-2), of attention.cudnn with every document
 through cuDNN ("cudnn", and its first call: the plans built) and as routed by CALL_WORK ("routed").
 Printed: the table and, per shape, the shortest L from which cuDNN is faster at every longer L
 (the crossover), beside the threshold the rule gives.
@@ -18,11 +18,11 @@ Printed: the table and, per shape, the shortest L from which cuDNN is faster at 
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from pathlib import Path
 
 import torch
+import triton
 
 from longctx.model import attention, cudnn_attention
 from longctx.perf import write_result
@@ -57,26 +57,16 @@ def cases(shapes: list[str], lengths: list[int], tokens: int) -> list[dict]:
     return out
 
 
-def timed(fn, reps: int) -> tuple[float, float]:
-    """(seconds of the first call, median seconds of `reps` calls after two more)."""
+def timed(fn) -> tuple[float, float]:
+    """(seconds of the first call, median seconds of later calls: triton's do_bench, as bench/attention.py)."""
     torch.cuda.synchronize()
     begin = time.perf_counter()
     fn()
     torch.cuda.synchronize()
-    first = time.perf_counter() - begin
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        begin = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - begin)
-    return first, statistics.median(times)
+    return time.perf_counter() - begin, triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") / 1e3
 
 
-def run_case(case: dict, reps: int) -> dict:
+def run_case(case: dict) -> dict:
     n, dev = case["bounds"][-1], torch.device("cuda")
     gen = torch.Generator(dev).manual_seed(0)
     q = torch.randn(n, case["heads"], case["dim"], device=dev, dtype=torch.bfloat16, generator=gen)
@@ -88,16 +78,13 @@ def run_case(case: dict, reps: int) -> dict:
     width = case["heads"] * case["dim"]
     row["long_doc"] = cudnn_attention.long_doc(width)
     for name, backend, long_doc in (("varlen", "varlen", None), ("cudnn", "cudnn", 128), ("routed", "cudnn", None)):
-        cudnn_attention.LONG_DOC = long_doc
-        try:
+        with cudnn_attention.fixed_long_doc(long_doc):
             fn, plan = attention.BACKENDS[backend], attention.plan(backend, case["bounds"], dev, width)
 
-            def step(fn=fn, plan=plan):
-                out = fn(*leaves, cu, plan=plan)
-                out.backward(torch.ones_like(out))
-            first, median = timed(step, reps)
-        finally:
-            cudnn_attention.LONG_DOC = None
+        def step(fn=fn, plan=plan):
+            out = fn(*leaves, cu, plan=plan)
+            out.backward(torch.ones_like(out))
+        first, median = timed(step)
         row[f"{name}_ms"], row[f"{name}_first_s"] = round(median * 1e3, 3), round(first, 3)
     row["cudnn_vs_varlen"] = round(row["cudnn_ms"] / row["varlen_ms"], 3)
     row["routed_vs_varlen"] = round(row["routed_ms"] / row["varlen_ms"], 3)
@@ -119,7 +106,6 @@ def main() -> None:
     ap.add_argument("--shapes", nargs="+", default=SHAPES, help="query heads/key-value heads/head dim")
     ap.add_argument("--lengths", type=int, nargs="+", default=LENGTHS, help="document lengths, each its own case")
     ap.add_argument("--tokens", type=int, default=65536, help="tokens in each packed batch")
-    ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", type=Path, default=Path("bench/results"))
     args = ap.parse_args()
     if args.tokens < min(args.lengths) or min(args.lengths) < 128:
@@ -128,11 +114,11 @@ def main() -> None:
     todo = cases(args.shapes, args.lengths, args.tokens)
     if not torch.cuda.is_available() or "cudnn" not in attention.available(torch.device("cuda")):
         raise SystemExit("cudnn_routing: needs a CUDA GPU with cuDNN >= 9 (sm80+)")
-    fields = {"tokens": args.tokens, "reps": args.reps, "call_work": cudnn_attention.CALL_WORK, "rows": []}
+    fields = {"tokens": args.tokens, "call_work": cudnn_attention.CALL_WORK, "rows": []}
     print(f"{'shape':>10} {'L':>6} {'docs':>5} {'varlen ms':>10} {'cudnn ms':>10} {'ratio':>6} {'cudnn 1st s':>11} "
           f"{'routed ms':>10} {'ratio':>6}", flush=True)
     for case in todo:
-        row = run_case(case, args.reps)
+        row = run_case(case)
         fields["rows"].append(row)
         print(f"{row['shape']:>10} {row['length']:>6} {row['documents']:>5} {row['varlen_ms']:>10.3f} "
               f"{row['cudnn_ms']:>10.3f} {row['cudnn_vs_varlen']:>6.3f} {row['cudnn_first_s']:>11.3f} "

@@ -187,7 +187,7 @@ def test_cudnn_plan_routes_documents_by_length():
     assert all(n <= ca.padded_length(n) < 1.13 * n for n in range(1024, 65537))
 
 
-def test_cudnn_takes_documents_whose_work_pays_for_a_call(monkeypatch):
+def test_cudnn_takes_documents_whose_work_pays_for_a_call():
     """The threshold falls with heads x head dim (length^2 x width >= CALL_WORK): the gpu-64k
     Llama's 4K documents (12 x 64) stay with FlashAttention-2, where cuDNN was 1.10x slower on an
     H200; the 8B's at 2,048 tokens (32 x 128) and 2,897 (16 x 128 a rank under SP 2) take cuDNN."""
@@ -202,9 +202,11 @@ def test_cudnn_takes_documents_whose_work_pays_for_a_call(monkeypatch):
     assert plan.long_docs.tolist() == [[8192, 4730, 5120], [12922, 4730, 5120], [0, 0, 0]]
     assert plan.short_index.tolist() == list(range(8192)) and plan.short_cu.tolist() == [0, 4096, 8192]
     assert ca.plan([0, 4096, 8192], torch.device("cpu"), 12 * 64).long_docs[:, 1].tolist() == [0, 0]
-    monkeypatch.setattr(ca, "LONG_DOC", 100)  # (the override tests and benches use)
-    assert ca.long_doc(768) == 100 and ca.plan([0, 100, 199], torch.device("cpu"), 768).long_docs[0].tolist() == [
-        0, 100, 128]
+    with pytest.raises(RuntimeError), ca.fixed_long_doc(100):  # (the override benches use; restored after)
+        assert ca.long_doc(768) == 100 and ca.plan([0, 100, 199], torch.device("cpu"), 768).long_docs[0].tolist() == [
+            0, 100, 128]
+        raise RuntimeError
+    assert ca.LONG_DOC is None and ca.long_doc(768) == 4730
 
 
 @pytest.mark.parametrize("length, padded", [(640, 640), (600, 640)])

@@ -14,7 +14,9 @@ without a device sync, and both passes are custom ops, so torch.compile sees one
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +34,17 @@ at 4,096 tokens x 12 heads x 64 (1.3e10), 0.98 at 2,048 x 32 x 128 (1.7e10), 0.7
 FA2's tokens/s under that rule."""
 LONG_DOC: int | None = None
 """A length in tokens that overrides CALL_WORK (tests and benches routing short documents to cuDNN)."""
+
+
+@contextlib.contextmanager
+def fixed_long_doc(tokens: int | None) -> Iterator[None]:
+    """LONG_DOC set to `tokens` within the block (None: the rule), restored after."""
+    global LONG_DOC
+    before, LONG_DOC = LONG_DOC, tokens
+    try:
+        yield
+    finally:
+        LONG_DOC = before
 
 
 def long_doc(width: int) -> int:
@@ -101,9 +114,14 @@ def _private(t: torch.Tensor) -> torch.Tensor:
     return t.as_strided(t.shape, (t.numel() + 8, *t.stride()[1:]))
 
 
+def _all_short(index: torch.Tensor, n: int) -> bool:
+    """Whether the short documents hold all n tokens (then in order: their index is 0..n-1)."""
+    return index.numel() == n
+
+
 def _short(tensors: list[torch.Tensor], index: torch.Tensor) -> list[torch.Tensor]:
     """The short documents' rows of each tensor: the tensors themselves when every token is in one."""
-    if index.numel() == tensors[0].shape[0]:
+    if _all_short(index, tensors[0].shape[0]):
         return tensors
     return [t.index_select(0, index) for t in tensors]
 
@@ -127,7 +145,7 @@ def doc_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, long_docs: 
         bound = min(long_doc, n)  # (FlashAttention sizes its grid by it)
         o, lse_s, *_ = torch.ops.aten._flash_attention_forward(*_short([q, k, v], short_index), short_cu, short_cu,
                                                                bound, bound, 0.0, True, False, scale=scale)
-        if short_index.numel() == n:
+        if _all_short(short_index, n):
             return o, lse_s
         out.index_copy_(0, short_index, o)
         lse.index_copy_(1, short_index, lse_s)
@@ -157,12 +175,13 @@ def doc_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         for whole, part in zip((dq, dk, dv), g[:3], strict=True):
             whole[start:start + length] = part[0, :, :length].transpose(0, 1)
     if short_index.numel():
-        lse_s = lse if short_index.numel() == q.shape[0] else lse.index_select(1, short_index).contiguous()
-        rng, bound = torch.zeros(2, dtype=torch.uint64, device=q.device), min(long_doc, q.shape[0])
+        everything, bound = _all_short(short_index, q.shape[0]), min(long_doc, q.shape[0])
+        lse_s = lse if everything else lse.index_select(1, short_index).contiguous()
+        rng = torch.zeros(2, dtype=torch.uint64, device=q.device)
         grads = torch.ops.aten._flash_attention_backward(
-            *_short([grad, q, k, v, out], short_index), lse_s, short_cu, short_cu, bound, bound, 0.0,
-            True, rng, torch.empty(0, device=q.device), scale=scale)
-        if short_index.numel() == q.shape[0]:
+            *_short([grad, q, k, v, out], short_index), lse_s, short_cu, short_cu, bound, bound, 0.0, True, rng,
+            torch.empty(0, device=q.device), scale=scale)
+        if everything:
             return grads[:3]
         for whole, part in zip((dq, dk, dv), grads[:3], strict=True):
             whole.index_copy_(0, short_index, part)
