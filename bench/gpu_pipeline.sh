@@ -37,9 +37,10 @@ collect() {  # (the device returns a limited number of files: the folders travel
   du -sh "$out"/mlflow.db "$out"/outputs.tar.gz 2>/dev/null
 }
 run_main() {  # the main command in what is left of the time, its output appended to $1 ($2 names the run); $status
+  local started=$(date +%s)
   LONGCTX_GPUS=${LONGCTX_GPUS:-0} timeout -k 10 "$(left)" python3 -m pipelines 2>&1 | tee -a "$1"
   status=${PIPESTATUS[0]}
-  echo "main command$2: exit $status after $(( $(date +%s) - begin )) s" | tee -a "$1"
+  echo "main command$2: exit $status after $(( $(date +%s) - started )) s (script at $(( $(date +%s) - begin )) s)" | tee -a "$1"
   collect
 }
 if [ -n "${AGAIN:-}" ]; then   # a second call on the still-warm machine, in the first call's workspace
