@@ -209,18 +209,22 @@ def test_cudnn_takes_documents_whose_work_pays_for_a_call():
     assert ca.LONG_DOC is None and ca.long_doc(768) == 4730
 
 
-@pytest.mark.parametrize("length, padded", [(640, 640), (600, 640)])
-def test_cudnn_documents_carry_a_batch_stride_no_other_caller_has(length, padded):
-    """A document's dense [1, H, L, D] view holds its rows (zero rows after), and its batch stride is
-    none that a contiguous tensor or a view of packed rows has: PyTorch's cuDNN graph cache keys on
-    q/k/v strides alone, so that stride keeps our graphs apart from F.scaled_dot_product_attention's,
-    whose gradient layout differs (issue 32)."""
+@pytest.mark.parametrize("start, padded", [(300, 640), (200, 800), (500, 640)])
+def test_cudnn_documents_are_views_padded_by_the_next_rows(start, padded):
+    """A document's dense [1, H, L, D] tensor is a view of the packed rows from its start, the rows
+    after it standing in for padding (the backward gives them a log-sum-exp of +inf); only where the
+    batch ends first are zero rows appended, in a copy. Its batch stride is none that a contiguous
+    tensor or a view of packed rows has: PyTorch's cuDNN graph cache keys on q/k/v strides alone,
+    so that stride keeps our graphs apart from F.scaled_dot_product_attention's, whose gradient
+    layout differs (issue 32)."""
     from longctx.model import cudnn_attention as ca
 
     t = torch.randn(1000, 4, 16)
-    dense = ca._dense(t, 300, length, padded)
-    want = torch.cat((t[300:300 + length], t.new_zeros(padded - length, 4, 16))).transpose(0, 1)[None]
+    dense = ca._dense(t, start, padded)
+    rows = t[start:start + padded]
+    want = torch.cat((rows, t.new_zeros(padded - rows.shape[0], 4, 16))).transpose(0, 1)[None]
     assert torch.equal(dense, want)
+    assert (dense.data_ptr() == t[start].data_ptr()) == (start + padded <= 1000)  # a view unless at the end
     natural = {want.contiguous().stride(0), want.stride(0), t.stride(0) * t.shape[0], 4 * 16}
     assert dense.stride(0) not in natural and dense.stride()[1:] == want.stride()[1:]
     assert dense.stride(0) % 8 == 0  # 16-byte aligned in bf16, as cuDNN's tensor maps need

@@ -5,8 +5,8 @@ cuDNN's dense attention is 1.5x FlashAttention-2's on Hopper (H200, 16K tokens, 
 length (ragged) mode in torch 2.11 returns NaN gradients and faults; and each sequence length
 is a new cuDNN execution plan. So every document long enough to pay for a call of its own
 (`long_doc`) is one dense causal call, its length padded up to one of a few sizes per octave
-(padding after a causal document changes none of its rows, and padded rows get no gradient),
-and the shorter documents go through FlashAttention-2's varlen kernel in one call.
+(by the rows after it: a causal document's rows never see them, and the backward gives them
+no probability), and the shorter documents go through FlashAttention-2's varlen kernel in one call.
 
 The plan (which document goes where) is made on the host from boundaries the caller read
 without a device sync, and both passes are custom ops, so torch.compile sees one op each.
@@ -92,13 +92,16 @@ def plan(bounds: list[int], device: torch.device, width: int) -> Plan:
                 to_device(torch.tensor(short_cu, dtype=torch.int32), device), threshold)
 
 
-def _dense(t: torch.Tensor, start: int, length: int, padded: int) -> torch.Tensor:
-    """Rows [start, start + length) of a packed [N, h, D] tensor as a [1, h, padded, D] tensor in
-    cuDNN's BSHD layout, zero rows appended. Grouped k/v keep their own heads: cuDNN takes fewer
-    than q's (on an H200 as right as FlashAttention-2, with the memory of repeated copies saved)."""
-    rows = t[start:start + length]
-    if padded != length:
-        rows = torch.cat((rows, rows.new_zeros(padded - length, *rows.shape[1:])))
+def _dense(t: torch.Tensor, start: int, padded: int) -> torch.Tensor:
+    """Rows [start, start + padded) of a packed [N, h, D] tensor as a [1, h, padded, D] view in
+    cuDNN's BSHD layout. The rows past the document are the next documents' rows, not zeros: under
+    a causal mask they change none of its rows forward, and the backward gives them a log-sum-exp
+    of +inf (probability 0), so they send no gradient back. Only a document too near the end gets
+    zero rows appended (a copy: at 1M tokens a rank, ~14 GiB for q, k, v, out and its gradient).
+    Grouped k/v keep their own heads: cuDNN takes fewer than q's."""
+    rows = t[start:start + padded]
+    if rows.shape[0] < padded:
+        rows = torch.cat((rows, rows.new_zeros(padded - rows.shape[0], *rows.shape[1:])))
     return _private(rows.transpose(0, 1)[None])
 
 
@@ -119,11 +122,20 @@ def _all_short(index: torch.Tensor, n: int) -> bool:
     return index.numel() == n
 
 
-def _short(tensors: list[torch.Tensor], index: torch.Tensor) -> list[torch.Tensor]:
-    """The short documents' rows of each tensor: the tensors themselves when every token is in one."""
-    if _all_short(index, tensors[0].shape[0]):
-        return tensors
-    return [t.index_select(0, index) for t in tensors]
+def _flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, bound: int,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlashAttention-2's varlen forward over packed short documents: (out, log-sum-exp [H, N])."""
+    o, lse, *_ = torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, bound, bound, 0.0, True, False, scale=scale)
+    return o, lse
+
+
+def _flash_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                    lse: torch.Tensor, cu: torch.Tensor, bound: int,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    rng = torch.zeros(2, dtype=torch.uint64, device=q.device)  # dropout's seed and offset
+    grads = torch.ops.aten._flash_attention_backward(grad, q, k, v, out, lse, cu, cu, bound, bound, 0.0, True, rng,
+                                                     torch.empty(0, device=q.device), scale=scale)
+    return grads[0], grads[1], grads[2]
 
 
 @torch.library.custom_op("longctx::doc_attention", mutates_args=())
@@ -132,21 +144,20 @@ def doc_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, long_docs: 
                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [N, H, D], log-sum-exp [H, N] fp32)."""
     n, h, _ = q.shape
+    bound = min(long_doc, n)  # (FlashAttention sizes its grid by it)
+    if _all_short(short_index, n):
+        return _flash_forward(q, k, v, short_cu, bound, scale)
     out = torch.empty_like(q)
     lse = torch.empty(h, n, dtype=torch.float32, device=q.device)
     for start, length, padded in long_docs.tolist():
         if not length:
             continue
         res = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            *(_dense(t, start, length, padded) for t in (q, k, v)), None, True, 0.0, True, False, scale=scale)
+            *(_dense(t, start, padded) for t in (q, k, v)), None, True, 0.0, True, False, scale=scale)
         out[start:start + length] = res[0][0, :, :length].transpose(0, 1)
         lse[:, start:start + length] = res[1][0, :, :length, 0]
     if short_index.numel():
-        bound = min(long_doc, n)  # (FlashAttention sizes its grid by it)
-        o, lse_s, *_ = torch.ops.aten._flash_attention_forward(*_short([q, k, v], short_index), short_cu, short_cu,
-                                                               bound, bound, 0.0, True, False, scale=scale)
-        if _all_short(short_index, n):
-            return o, lse_s
+        o, lse_s = _flash_forward(*(t.index_select(0, short_index) for t in (q, k, v)), short_cu, bound, scale)
         out.index_copy_(0, short_index, o)
         lse.index_copy_(1, short_index, lse_s)
     return out, lse
@@ -162,28 +173,25 @@ def doc_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                            lse: torch.Tensor, long_docs: torch.Tensor, short_index: torch.Tensor,
                            short_cu: torch.Tensor, long_doc: int,
                            scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    bound = min(long_doc, q.shape[0])
+    if _all_short(short_index, q.shape[0]):
+        return _flash_backward(grad, q, k, v, out, lse, short_cu, bound, scale)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     unused = torch.zeros((), dtype=torch.int64, device=q.device)  # dropout's seed and offset
     for start, length, padded in long_docs.tolist():
         if not length:
             continue
-        lse_d = lse.new_zeros(1, q.shape[1], padded, 1)
+        lse_d = lse.new_full((1, q.shape[1], padded, 1), math.inf)  # (the rows past the document: see _dense)
         lse_d[0, :, :length, 0] = lse[:, start:start + length]
-        dense = [_dense(t, start, length, padded) for t in (grad, q, k, v, out)]
+        dense = [_dense(t, start, padded) for t in (grad, q, k, v, out)]
         g = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
             *dense, lse_d, unused, unused, None, None, None, padded, padded, 0.0, True, scale=scale)
         for whole, part in zip((dq, dk, dv), g[:3], strict=True):
             whole[start:start + length] = part[0, :, :length].transpose(0, 1)
     if short_index.numel():
-        everything, bound = _all_short(short_index, q.shape[0]), min(long_doc, q.shape[0])
-        lse_s = lse if everything else lse.index_select(1, short_index).contiguous()
-        rng = torch.zeros(2, dtype=torch.uint64, device=q.device)
-        grads = torch.ops.aten._flash_attention_backward(
-            *_short([grad, q, k, v, out], short_index), lse_s, short_cu, short_cu, bound, bound, 0.0, True, rng,
-            torch.empty(0, device=q.device), scale=scale)
-        if everything:
-            return grads[:3]
-        for whole, part in zip((dq, dk, dv), grads[:3], strict=True):
+        grads = _flash_backward(*(t.index_select(0, short_index) for t in (grad, q, k, v, out)),
+                                lse.index_select(1, short_index).contiguous(), short_cu, bound, scale)
+        for whole, part in zip((dq, dk, dv), grads, strict=True):
             whole.index_copy_(0, short_index, part)
     return dq, dk, dv
 
