@@ -63,15 +63,16 @@ def test_backend_matches_reference(backend, fox, d, dtype):
         assert rel(a, b) <= tol, (name, rel(a, b))
 
 
-@pytest.mark.parametrize("lengths", [[17, 300, 129, 578], [1024], [40, 1000, 3], [256, 1, 767]])
+@pytest.mark.parametrize("lengths", [[17, 300, 129, 578], [1024], [1000], [40, 1000, 3], [256, 1, 767]])
 @pytest.mark.parametrize("heads", [(8, 8), (8, 2)])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("long_doc", [128, None])
 def test_cudnn_routes_long_and_short_documents(lengths, heads, d, long_doc, monkeypatch):
     """Documents long enough (here 128 tokens; None: the rule, which sends none of these) take cuDNN
-    (padded to a plan size, grouped k/v with their own heads), the rest FlashAttention-2 (all of them
-    in place, without a gather, when every document is short): both against the fp64 reference, with
-    and without a host plan."""
+    (padded to a plan size by the rows after them, or, where the batch ends first, cut at the size
+    below, their last rows FlashAttention-2's over all their keys: 578, 1000 and 767 here; grouped
+    k/v with their own heads), the rest FlashAttention-2 (all of them in place, without a gather,
+    when every document is short): both against the fp64 reference, with and without a host plan."""
     if "cudnn" not in attention.available(DEV):
         pytest.skip("no cuDNN attention here")
     monkeypatch.setattr(cudnn_attention, "LONG_DOC", long_doc)
@@ -181,13 +182,13 @@ def check_qkv(fn, leaves: list[torch.Tensor], cu: torch.Tensor, out_tol: float, 
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_peaked_attention_over_long_documents(backend):
+@pytest.mark.parametrize("lengths", [[2600, 37, 1400, 59], [59, 1400, 37, 2600]])
+def test_peaked_attention_over_long_documents(backend, lengths):
     """The regime a trained model is in, which random unit inputs are not: sharp attention (logits
     of std ~8, as induction heads have them) over long documents beside short ones, bf16. cuDNN
     takes those past 1,024 tokens here (the rule would send none of these), padded to plan sizes
-    with the next documents' rows (2,600 -> 2,816, 1,400 -> 1,408): sharp rows there must send
-    nothing back."""
-    lengths = [2600, 37, 1400, 59]
+    with the next documents' rows (2,600 -> 2,816, 1,400 -> 1,408: sharp rows there must send
+    nothing back), or, 2,600 last, cut at 2,560 with its last 40 rows FlashAttention-2's."""
     n = sum(lengths)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
     gen = torch.Generator(device=DEV).manual_seed(32)

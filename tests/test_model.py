@@ -173,7 +173,7 @@ def test_cudnn_plan_routes_documents_by_length():
 
     wide = 2**34 // 1024**2  # heads x head dim for which the rule's threshold is 1,024 tokens
     plan = ca.plan([0, 17, 317, 1500, 1502, 3000], torch.device("cpu"), wide)
-    assert plan.long_docs.tolist() == [[317, 1183, 1280], [1502, 1498, 1536]]  # start, length, padded
+    assert plan.long_docs.tolist() == [[317, 1183, 1280], [1502, 1498, 1408]]  # start, length, plan size
     assert plan.short_index.tolist() == [*range(0, 317), 1500, 1501]
     assert plan.short_cu.tolist() == [0, 17, 317, 319] and plan.long_doc == 1024
     # batches of one length get plans of one shape, whatever their documents (no recompiles)
@@ -181,7 +181,7 @@ def test_cudnn_plan_routes_documents_by_length():
     shapes = {ca.plan(b, torch.device("cpu"), wide).long_docs.shape for b in batches}
     assert shapes == {(4, 3)}
     long_docs = ca.plan([0, 100, 4096], torch.device("cpu"), wide).long_docs
-    assert long_docs.tolist() == [[100, 3996, 4096]] + [[0, 0, 0]] * 3
+    assert long_docs.tolist() == [[100, 3996, 3840]] + [[0, 0, 0]] * 3  # (the batch ends: the size below)
     sizes = {ca.padded_length(n) for n in range(1024, 65537)}
     assert len(sizes) <= 7 * 8  # a few cuDNN plans per octave
     assert all(n <= ca.padded_length(n) < 1.13 * n for n in range(1024, 65537))
@@ -199,7 +199,7 @@ def test_cudnn_takes_documents_whose_work_pays_for_a_call():
         assert t**2 * width >= ca.CALL_WORK > (t - 1) ** 2 * width
     assert ca.long_doc(10**9) == 128  # (cuDNN's shortest plan)
     plan = ca.plan([0, 4096, 8192, 12922, 17652], torch.device("cpu"), 12 * 64)
-    assert plan.long_docs.tolist() == [[8192, 4730, 5120], [12922, 4730, 5120], [0, 0, 0]]
+    assert plan.long_docs.tolist() == [[8192, 4730, 5120], [12922, 4730, 4608], [0, 0, 0]]
     assert plan.short_index.tolist() == list(range(8192)) and plan.short_cu.tolist() == [0, 4096, 8192]
     assert ca.plan([0, 4096, 8192], torch.device("cpu"), 12 * 64).long_docs[:, 1].tolist() == [0, 0]
     with pytest.raises(RuntimeError), ca.fixed_long_doc(100):  # (the override benches use; restored after)
@@ -209,22 +209,34 @@ def test_cudnn_takes_documents_whose_work_pays_for_a_call():
     assert ca.LONG_DOC is None and ca.long_doc(768) == 4730
 
 
-@pytest.mark.parametrize("start, padded", [(300, 640), (200, 800), (500, 640)])
-def test_cudnn_documents_are_views_padded_by_the_next_rows(start, padded):
-    """A document's dense [1, H, L, D] tensor is a view of the packed rows from its start, the rows
-    after it standing in for padding (the backward gives them a log-sum-exp of +inf); only where the
-    batch ends first are zero rows appended, in a copy. Its batch stride is none that a contiguous
-    tensor or a view of packed rows has: PyTorch's cuDNN graph cache keys on q/k/v strides alone,
-    so that stride keeps our graphs apart from F.scaled_dot_product_attention's, whose gradient
-    layout differs (issue 32)."""
+def test_cudnn_plan_sizes_stay_within_the_batch():
+    """A long document's cuDNN call takes its padded length where the batch has the rows after it
+    (they pad it: no copy), else the plan size below its length (its last rows: FlashAttention-2);
+    either way one of a few sizes per octave, and never a row past the batch."""
+    from longctx.model import cudnn_attention as ca
+
+    sizes = {ca.padded_length(n) for n in range(128, 70000)}
+    for start, length, end in [(0, 1000, 1024), (24, 1000, 1024), (0, 1000, 1000), (100, 3996, 4096),
+                               (5, 960280, 1048576), (88296, 960280, 1048576), (27729, 622855, 1048576)]:
+        size = ca.plan_size(start, length, end)
+        assert start + size <= end and (size >= length) == (start + ca.padded_length(length) <= end)
+        assert size == ca.padded_length(length) or (size <= length and size % ca._step(length) == 0)
+        assert length > 70000 or size in sizes
+    assert ca.plan_size(88296, 960280, 1048576) == 917504 and ca.plan_size(27729, 622855, 1048576) == 655360
+
+
+@pytest.mark.parametrize("start, size", [(300, 640), (200, 800), (0, 1000)])
+def test_cudnn_documents_are_views_with_a_batch_stride_no_other_caller_has(start, size):
+    """A document's dense [1, H, L, D] tensor is a view of the packed rows from its start (the rows
+    after it pad it). Its batch stride is none that a contiguous tensor or a view of packed rows
+    has: PyTorch's cuDNN graph cache keys on q/k/v strides alone, so that stride keeps our graphs
+    apart from F.scaled_dot_product_attention's, whose gradient layout differs (issue 32)."""
     from longctx.model import cudnn_attention as ca
 
     t = torch.randn(1000, 4, 16)
-    dense = ca._dense(t, start, padded)
-    rows = t[start:start + padded]
-    want = torch.cat((rows, t.new_zeros(padded - rows.shape[0], 4, 16))).transpose(0, 1)[None]
-    assert torch.equal(dense, want)
-    assert (dense.data_ptr() == t[start].data_ptr()) == (start + padded <= 1000)  # a view unless at the end
+    dense = ca._dense(t, start, size)
+    want = t[start:start + size].transpose(0, 1)[None]
+    assert torch.equal(dense, want) and dense.data_ptr() == t[start].data_ptr()
     natural = {want.contiguous().stride(0), want.stride(0), t.stride(0) * t.shape[0], 4 * 16}
     assert dense.stride(0) not in natural and dense.stride()[1:] == want.stride()[1:]
     assert dense.stride(0) % 8 == 0  # 16-byte aligned in bf16, as cuDNN's tensor maps need

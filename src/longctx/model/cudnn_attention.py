@@ -4,9 +4,11 @@ cuDNN's dense attention is 1.5x FlashAttention-2's on Hopper (H200, 16K tokens, 
 2048, fwd + bwd: 9.0 against 13.8 ms at D 64, 7.3 against 12.3 at D 128), but its variable-
 length (ragged) mode in torch 2.11 returns NaN gradients and faults; and each sequence length
 is a new cuDNN execution plan. So every document long enough to pay for a call of its own
-(`long_doc`) is one dense causal call, its length padded up to one of a few sizes per octave
-(by the rows after it: a causal document's rows never see them, and the backward gives them
-no probability), and the shorter documents go through FlashAttention-2's varlen kernel in one call.
+(`long_doc`) is one dense causal call of one of a few sizes per octave: its length padded up by
+the rows after it (a causal document's rows never see them, and the backward gives them no
+probability), or, where the batch ends too soon for that, the size below its length, its last
+rows then going to FlashAttention-2 over all its keys. So no document is ever copied. The shorter
+documents go through FlashAttention-2's varlen kernel in one call.
 
 The plan (which document goes where) is made on the host from boundaries the caller read
 without a device sync, and both passes are custom ops, so torch.compile sees one op each.
@@ -54,18 +56,29 @@ def long_doc(width: int) -> int:
     return max(128, math.isqrt(-(-CALL_WORK // width) - 1) + 1)  # ceil(sqrt(CALL_WORK / width))
 
 
+def _step(length: int) -> int:
+    """The spacing of cuDNN's plan sizes near `length`: 1/16 to 1/8 of its power of two, at least 128."""
+    return max(128, 1 << max(0, length.bit_length() - 4))
+
+
 def padded_length(length: int) -> int:
-    """The length rounded up to a multiple of 1/16 to 1/8 of its power of two (at least 128):
-    a few cuDNN plans per octave, at most ~13% more causal work."""
-    step = max(128, 1 << max(0, length.bit_length() - 4))
-    return -(-length // step) * step
+    """The plan size at or above the length: a few cuDNN plans per octave, at most ~13% more causal work."""
+    return -(-length // _step(length)) * _step(length)
+
+
+def plan_size(start: int, length: int, end: int) -> int:
+    """The rows cuDNN takes of the document at [start, start + length) in a batch of `end` tokens:
+    the padded length where the batch holds that many rows from its start, else the plan size
+    below its length (its last rows are FlashAttention-2's)."""
+    padded = padded_length(length)
+    return padded if start + padded <= end else length // _step(length) * _step(length)
 
 
 @dataclass(frozen=True)
 class Plan:
     long_docs: torch.Tensor
-    """int64 [n, 3] on the host: start, length and padded length of each long document, then
-    rows of zeros (none) up to a count fixed by the tokens."""
+    """int64 [n, 3] on the host: start, length and plan size (`plan_size`) of each long document,
+    then rows of zeros (none) up to a count fixed by the tokens."""
     short_index: torch.Tensor
     """int64 on the device: the token positions of the short documents, in order."""
     short_cu: torch.Tensor
@@ -80,7 +93,7 @@ def plan(bounds: list[int], device: torch.device, width: int) -> Plan:
     long, short, short_cu = [], [], [0]
     for a, b in zip(bounds[:-1], bounds[1:], strict=True):
         if b - a >= threshold:
-            long.append((a, b - a, padded_length(b - a)))
+            long.append((a, b - a, plan_size(a, b - a, bounds[-1])))
         elif b > a:
             short.append(torch.arange(a, b))
             short_cu.append(short_cu[-1] + b - a)
@@ -92,17 +105,11 @@ def plan(bounds: list[int], device: torch.device, width: int) -> Plan:
                 to_device(torch.tensor(short_cu, dtype=torch.int32), device), threshold)
 
 
-def _dense(t: torch.Tensor, start: int, padded: int) -> torch.Tensor:
-    """Rows [start, start + padded) of a packed [N, h, D] tensor as a [1, h, padded, D] view in
-    cuDNN's BSHD layout. The rows past the document are the next documents' rows, not zeros: under
-    a causal mask they change none of its rows forward, and the backward gives them a log-sum-exp
-    of +inf (probability 0), so they send no gradient back. Only a document too near the end gets
-    zero rows appended (a copy: at 1M tokens a rank, ~14 GiB for q, k, v, out and its gradient).
-    Grouped k/v keep their own heads: cuDNN takes fewer than q's."""
-    rows = t[start:start + padded]
-    if rows.shape[0] < padded:
-        rows = torch.cat((rows, rows.new_zeros(padded - rows.shape[0], *rows.shape[1:])))
-    return _private(rows.transpose(0, 1)[None])
+def _dense(t: torch.Tensor, start: int, size: int) -> torch.Tensor:
+    """Rows [start, start + size) of a packed [N, h, D] tensor as a [1, h, size, D] view in cuDNN's
+    BSHD layout (no copy: the rows past a document pad it, see the module's docstring). Grouped
+    k/v keep their own heads: cuDNN takes fewer than q's."""
+    return _private(t[start:start + size].transpose(0, 1)[None])
 
 
 def _private(t: torch.Tensor) -> torch.Tensor:
@@ -122,20 +129,30 @@ def _all_short(index: torch.Tensor, n: int) -> bool:
     return index.numel() == n
 
 
-def _flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, bound: int,
-                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """FlashAttention-2's varlen forward over packed short documents: (out, log-sum-exp [H, N])."""
-    o, lse, *_ = torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, bound, bound, 0.0, True, False, scale=scale)
+def _flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+                   max_q: int, max_k: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlashAttention-2's varlen causal forward (its mask aligned to the last key where a document has
+    fewer queries than keys): (out, log-sum-exp [H, queries])."""
+    o, lse, *_ = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False,
+                                                         scale=scale)
     return o, lse
 
 
 def _flash_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                    lse: torch.Tensor, cu: torch.Tensor, bound: int,
+                    lse: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int,
                     scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     rng = torch.zeros(2, dtype=torch.uint64, device=q.device)  # dropout's seed and offset
-    grads = torch.ops.aten._flash_attention_backward(grad, q, k, v, out, lse, cu, cu, bound, bound, 0.0, True, rng,
-                                                     torch.empty(0, device=q.device), scale=scale)
+    grads = torch.ops.aten._flash_attention_backward(grad, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, True,
+                                                     rng, torch.empty(0, device=q.device), scale=scale)
     return grads[0], grads[1], grads[2]
+
+
+def _tail(start: int, length: int, size: int, device: torch.device) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+    """The rows [a, b) of a document past its plan size, and FlashAttention-2's boundaries for them
+    as queries over all its keys."""
+    a, b = start + size, start + length
+    cu_q, cu_k = (to_device(torch.tensor([0, n], dtype=torch.int32), device) for n in (length - size, length))
+    return a, b, cu_q, cu_k
 
 
 @torch.library.custom_op("longctx::doc_attention", mutates_args=())
@@ -146,18 +163,23 @@ def doc_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, long_docs: 
     n, h, _ = q.shape
     bound = min(long_doc, n)  # (FlashAttention sizes its grid by it)
     if _all_short(short_index, n):
-        return _flash_forward(q, k, v, short_cu, bound, scale)
+        return _flash_forward(q, k, v, short_cu, short_cu, bound, bound, scale)
     out = torch.empty_like(q)
     lse = torch.empty(h, n, dtype=torch.float32, device=q.device)
-    for start, length, padded in long_docs.tolist():
+    for start, length, size in long_docs.tolist():
         if not length:
             continue
+        rows = min(length, size)
         res = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            *(_dense(t, start, padded) for t in (q, k, v)), None, True, 0.0, True, False, scale=scale)
-        out[start:start + length] = res[0][0, :, :length].transpose(0, 1)
-        lse[:, start:start + length] = res[1][0, :, :length, 0]
+            *(_dense(t, start, size) for t in (q, k, v)), None, True, 0.0, True, False, scale=scale)
+        out[start:start + rows] = res[0][0, :, :rows].transpose(0, 1)
+        lse[:, start:start + rows] = res[1][0, :, :rows, 0]
+        if size < length:
+            a, b, cu_q, cu_k = _tail(start, length, size, q.device)
+            out[a:b], lse[:, a:b] = _flash_forward(q[a:b], k[start:b], v[start:b], cu_q, cu_k, b - a, length, scale)
     if short_index.numel():
-        o, lse_s = _flash_forward(*(t.index_select(0, short_index) for t in (q, k, v)), short_cu, bound, scale)
+        o, lse_s = _flash_forward(*(t.index_select(0, short_index) for t in (q, k, v)), short_cu, short_cu, bound,
+                                  bound, scale)
         out.index_copy_(0, short_index, o)
         lse.index_copy_(1, short_index, lse_s)
     return out, lse
@@ -175,22 +197,32 @@ def doc_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                            scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     bound = min(long_doc, q.shape[0])
     if _all_short(short_index, q.shape[0]):
-        return _flash_backward(grad, q, k, v, out, lse, short_cu, bound, scale)
+        return _flash_backward(grad, q, k, v, out, lse, short_cu, short_cu, bound, bound, scale)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     unused = torch.zeros((), dtype=torch.int64, device=q.device)  # dropout's seed and offset
-    for start, length, padded in long_docs.tolist():
+    for start, length, size in long_docs.tolist():
         if not length:
             continue
-        lse_d = lse.new_full((1, q.shape[1], padded, 1), math.inf)  # (the rows past the document: see _dense)
-        lse_d[0, :, :length, 0] = lse[:, start:start + length]
-        dense = [_dense(t, start, padded) for t in (grad, q, k, v, out)]
+        rows = min(length, size)
+        lse_d = lse.new_full((1, q.shape[1], size, 1), math.inf)  # (the rows past the document: no probability)
+        lse_d[0, :, :rows, 0] = lse[:, start:start + rows]
+        dense = [_dense(t, start, size) for t in (grad, q, k, v, out)]
         g = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            *dense, lse_d, unused, unused, None, None, None, padded, padded, 0.0, True, scale=scale)
+            *dense, lse_d, unused, unused, None, None, None, size, size, 0.0, True, scale=scale)
         for whole, part in zip((dq, dk, dv), g[:3], strict=True):
-            whole[start:start + length] = part[0, :, :length].transpose(0, 1)
+            whole[start:start + rows] = part[0, :, :rows].transpose(0, 1)
+        if size < length:  # the last rows' share: their dq, and what they add to every key's dk and dv
+            a, b, cu_q, cu_k = _tail(start, length, size, q.device)
+            gq, gk, gv = _flash_backward(grad[a:b], q[a:b], k[start:b], v[start:b], out[a:b],
+                                         lse[:, a:b].contiguous(), cu_q, cu_k, b - a, length, scale)
+            dq[a:b] = gq
+            for whole, part in ((dk, gk), (dv, gv)):
+                whole[start:a] += part[:size]
+                whole[a:b] = part[size:]
     if short_index.numel():
         grads = _flash_backward(*(t.index_select(0, short_index) for t in (grad, q, k, v, out)),
-                                lse.index_select(1, short_index).contiguous(), short_cu, bound, scale)
+                                lse.index_select(1, short_index).contiguous(), short_cu, short_cu, bound, bound,
+                                scale)
         for whole, part in zip((dq, dk, dv), grads, strict=True):
             whole.index_copy_(0, short_index, part)
     return dq, dk, dv
