@@ -73,7 +73,8 @@ class Layer:
     def time(self, bounds: torch.Tensor, ranks: int) -> list[tuple[float, float | None, float | None]]:
         """Per rank of the first `ranks`: (seconds of a forward without gradients, then forward +
         backward; the kept fraction of causal tiles under ACP, or None; the GiB the core allocated
-        at its peak beyond its inputs, None on the CPU)."""
+        at its peak beyond its inputs, None on the CPU: eager, its norms' and RoPE's intermediates
+        in it, where training compiles the block)."""
         n, cu = int(bounds[-1]), bounds.to(self.device)
         cos, sin = self.model.rotary(packed_positions(cu, n), cu, torch.bfloat16)
         ctx = self.model.attention_context(cu, n, cos, sin, bounds.tolist())
