@@ -3,7 +3,8 @@ long enough (cudnn_attention.long_doc: length^2 x heads x head dim >= CALL_WORK)
 and the rest FlashAttention-2's varlen kernel in one call; under the old rule (every document of
 1,024 tokens or more to cuDNN) the product's gpu-64k Llama (12 heads x 64) trained its 4K stages at
 0.5-0.65x FlashAttention-2's tokens/s and its 64K stage at 1.34x (2026-11-29): per-call costs (a host
-loop, padding copies, one cuDNN plan per padded length) against per-call work.
+loop, copies of each document's output and gradients, a cuDNN plan per padded length) against
+per-call work.
 
 Per head shape (query heads / key-value heads / head dim) and document length L: a packed batch
 of --tokens tokens made of documents of L tokens, forward + backward, bf16, the median of

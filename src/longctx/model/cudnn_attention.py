@@ -27,8 +27,8 @@ from .transfer import to_device
 
 CALL_WORK = 2**34
 """A document takes a cuDNN call of its own when its causal attention, length^2 x heads x head
-dim (the heads of a rank), is at least this; below it a call's fixed costs (the host loop, the
-padding copies) lose to FlashAttention-2's one call over every short document. On an H200
+dim (the heads of a rank), is at least this; below it a call's fixed costs (the host loop, its
+output and gradients copied into place) lose to FlashAttention-2's one call over every short document. On an H200
 (bench/cudnn_routing.py, 2026-11-29, fwd + bwd, equal documents), cuDNN's time over FA2's: 1.10
 at 4,096 tokens x 12 heads x 64 (1.3e10), 0.98 at 2,048 x 32 x 128 (1.7e10), 0.78-0.79 at
 8,192 x 12 x 64 and 4,096 x 16 x 128 (3.4e10-5.2e10), 0.56-0.67 from 16K tokens; at 1,024 tokens
