@@ -39,8 +39,8 @@ KERNELS = {"fwd": (fk._fwd_kernel, fk.FWD_OPTIONS), "dq": (fk._dq_kernel, fk.DQ_
            "dkdv": (fk._dkdv_kernel, fk.DKDV_OPTIONS), "bounds": (fk._bounds_kernel, [(0, 0, 1, 1)]),
            "prepare": (fk._prepare_kernel, [(0, 0, 4, 1)]), "dlogf": (fk._dlogf_kernel, [(0, 0, 4, 1)]),
            "bwd_prep": (fk._bwd_prep_kernel, [(0, 0, 4, 1)])}
-SMALL = {"bounds": {"ACP": True, "T": fk.TILE}, "prepare": {"DECAY": True, "BLOCK": fk._SCAN_BLOCK, "T": fk.TILE},
-         "dlogf": {"BLOCK": fk._SCAN_BLOCK}, "bwd_prep": {"BLOCK": 64}}
+SMALL = {"bounds": {"ACP": True, "T": fk.TILE}, "prepare": {"DECAY": True, "BLOCK": fk.SCAN_BLOCK, "T": fk.TILE},
+         "dlogf": {"BLOCK": fk.SCAN_BLOCK}, "bwd_prep": {"BLOCK": 64}}
 """The small kernels around the three attention kernels: no tiles to tune, one shape each."""
 
 

@@ -112,6 +112,17 @@ def dvc_workspace(ws: Path, params: dict) -> dict:
     return env
 
 
+def copy_workspace(src: Path, dst: Path, store: bool = True) -> dict:
+    """A copy of a git + DVC workspace (its DVC cache and run cache too) at `dst`; returns the
+    environment to run its stages with. store=False leaves its MLflow store behind: the copy's
+    runs then start a store of their own (the original's experiment names its artifact folder)."""
+    left = None if store else shutil.ignore_patterns("mlflow.db", "mlartifacts")
+    shutil.copytree(src, dst, symlinks=True, ignore=left)
+    env = {**os.environ, **GIT_ENV, "PYTHONPATH": f"{dst / 'src'}{os.pathsep}{dst}"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    return env
+
+
 def run_stages(folder: Path, names: list[str], overrides: dict | None = None) -> None:
     """Run stages in-process from `folder` (the stages use paths relative to the project root)."""
     from longctx import config
@@ -145,6 +156,21 @@ def small_project(tmp_path_factory) -> Path:
     overrides = {**SMALL, "tracking": {"uri": f"sqlite:///{folder / 'mlflow.db'}"}}
     run_stages(folder, ["corpora", "tokenize", "pack"], overrides)
     return folder
+
+
+@pytest.fixture(scope="session")
+def small_run(tmp_path_factory) -> tuple[Path, str]:
+    """SMALL through the main command (`python -m pipelines`: Prefect's flow, one `dvc repro` a
+    stage, MLflow) in a clone-like workspace, once a session: the workspace and the command's
+    output. Tests that only read a finished run read it; tests that change one take
+    copy_workspace of it (a run of every stage costs ~100 s of CPU)."""
+    root = tmp_path_factory.mktemp("small-run")
+    ws = root / "ws"
+    env = dvc_workspace(ws, SMALL) | {"PREFECT_HOME": str(root / "prefect")}
+    done = subprocess.run([sys.executable, "-m", "pipelines", str(ws)], cwd=ws, env=env, capture_output=True,
+                          text=True, timeout=1800)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return ws, done.stdout + done.stderr
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
-"""The real DVC pipeline in a temp git repo: stages run, MLflow records them, and a change to
-one stage's params reruns that stage alone."""
+"""The real DVC pipeline in a temp git repo: the main command's run of every stage (one `dvc
+repro` each, under Prefect) leaves what each stage makes and MLflow's record of it, a change to
+one stage's params reruns that stage alone, and a forced rerun leaves the next stages up to date."""
 
 from __future__ import annotations
 
@@ -11,30 +12,27 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, SMALL, dvc_workspace, sh
+from conftest import REPO, copy_workspace, sh
 
 pytestmark = pytest.mark.slow  # end to end through real DVC, Prefect and MLflow: `pytest -m "not slow"` skips it
 
 
 @pytest.fixture(scope="module")
-def workspace(tmp_path_factory) -> tuple[Path, dict]:
+def finished(small_run, tmp_path_factory) -> tuple[Path, dict, str]:
+    """A copy of the session's finished run of every stage (and its output), which the tests here
+    change in turn: each leaves it as every stage up to date, so each also runs alone."""
     ws = tmp_path_factory.mktemp("dvc") / "ws"
-    env = dvc_workspace(ws, SMALL)
+    env = copy_workspace(small_run[0], ws)
     assert (ws / ".dvc/config").is_file()  # a clone is a DVC repo as it is
-    return ws, env
+    return ws, env, small_run[1]
 
 
-@pytest.fixture(scope="module")
-def finished(workspace) -> tuple[Path, dict, str]:
-    """The workspace after one whole `dvc repro` (and its output): what every test here starts
-    from, so each also runs alone."""
-    ws, env = workspace
-    return ws, env, sh(["dvc", "repro"], ws, env)
+STAGES = ("corpora", "tokenize", "pack", "base", "rope_search", "pretrain", "sft", "eval")
 
 
-def test_dvc_repro_runs_the_stages_and_tracks_them(finished):
+def test_every_stage_runs_through_dvc_and_is_tracked(finished):
     ws, env, out = finished
-    for stage in ("corpora", "tokenize", "pack", "base", "rope_search", "pretrain", "sft", "eval"):
+    for stage in STAGES:
         assert f"Running stage '{stage}'" in out
     for ckpt in ("base", "pretrain_stage1", "pretrain_stage2", "sft"):  # each checkpoint's scores as they come
         assert re.search(rf"eval {ckpt}: mean task score \d\.\d\d at 256, \d\.\d\d at 512", out), ckpt
@@ -47,9 +45,13 @@ def test_dvc_repro_runs_the_stages_and_tracks_them(finished):
     client = MlflowClient(tracking_uri=f"sqlite:///{ws / 'mlflow.db'}")
     exp = client.get_experiment_by_name("longctx")
     assert exp.tags["mlflow.experimentKind"] == "custom_model_development"  # the UI opens its runs, not GenAI
-    runs = {r.info.run_name: r for r in client.search_runs([exp.experiment_id])}
+    (parent,) = client.search_runs([exp.experiment_id], filter_string="tags.`longctx.stage` = 'pipeline'")
+    runs = {r.info.run_name: r for r in client.search_runs([exp.experiment_id]) if r.info.run_id != parent.info.run_id}
     curriculum = {"pretrain_stage1", "pretrain_stage2"}  # nested in pretrain's run, each its own curve
-    assert set(runs) == {"corpora", "tokenize", "pack", "base", "rope_search", "pretrain", "sft", "eval"} | curriculum
+    assert set(runs) == set(STAGES) | curriculum
+    assert parent.info.status == "FINISHED"  # the flow run's parent: every stage's run is its child
+    assert all(runs[s].data.tags["mlflow.parentRunId"] == parent.info.run_id for s in STAGES)
+    assert runs["sft"].data.tags["dvc.lock_md5"] and runs["sft"].data.tags["git.commit"]
     for name in curriculum:
         assert runs[name].data.tags["mlflow.parentRunId"] == runs["pretrain"].info.run_id
         assert runs[name].data.tags["longctx.curriculum"] == name.removeprefix("pretrain_")
@@ -152,24 +154,28 @@ def test_the_readme_experiment_takes_the_searched_factors(finished):
 
 
 def test_a_pack_param_reruns_pack_alone(finished):
+    """A stage's param reruns that stage and those after it, nothing before: a training param
+    (sft, then eval on its checkpoint), and a pack param (pack, not the corpora or tokenizer)."""
     ws, env, _ = finished
     sh(["git", "add", "-A"], ws, env)
     sh(["git", "commit", "-qm", "lock", "--allow-empty"], ws, env)  # (nothing new after the experiment test)
     assert "up to date" in sh(["dvc", "status"], ws, env)
     params = yaml.safe_load((ws / "params.yaml").read_text())
+    params["train"]["sft"]["lr"] = 2e-3
+    (ws / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    out = sh(["dvc", "repro"], ws, env)
+    assert "Running stage 'sft'" in out and "Running stage 'eval'" in out
+    assert not any(f"Running stage '{s}'" in out for s in ("corpora", "tokenize", "pack", "base", "pretrain"))
     params["pack"]["seed"] = 3
     (ws / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     status = json.loads(sh(["dvc", "status", "--json"], ws, env).strip().splitlines()[-1])
     assert set(status) == {"pack"}
-    out = sh(["dvc", "repro"], ws, env)
+    out = sh(["dvc", "repro", "pack"], ws, env)  # (the stages after it would rerun as sft did)
     assert "Running stage 'pack'" in out
     assert "Running stage 'corpora'" not in out and "Running stage 'tokenize'" not in out
-    # a training param reruns its stage and the ones after it, nothing before
-    params["train"]["sft"]["lr"] = 2e-3
-    (ws / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    out = sh(["dvc", "repro"], ws, env)
-    assert "Running stage 'sft'" in out
-    assert not any(f"Running stage '{s}'" in out for s in ("corpora", "tokenize", "pack", "base", "pretrain"))
+    sh(["git", "checkout", "params.yaml"], ws, env)
+    out = sh(["dvc", "repro"], ws, env)  # back to the committed params: outputs from DVC's run cache
+    assert "Running stage" not in out and "up to date" in sh(["dvc", "status"], ws, env)
 
 
 def test_rerunning_a_stage_leaves_the_next_ones_up_to_date(finished):

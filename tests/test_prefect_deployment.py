@@ -1,6 +1,7 @@
 """`prefect deployment run longctx-pipeline/tiny` against a real Prefect server on 127.0.0.1 with
-a process work pool and a worker, on the smallest profile: the flow run completes and the MLflow
-store holds its parent run with every stage as a child."""
+a process work pool and a worker, on the smallest profile, in a finished run's copy whose SFT param
+changed: the flow run completes, every stage's `dvc repro` ran (SFT and eval, which reads it, rerun),
+and the MLflow store holds its parent run with those two as children."""
 
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ import time
 import urllib.request
 
 import pytest
+import yaml
 from mlflow.tracking import MlflowClient
 
-from conftest import SMALL, dvc_workspace, sh
-from pipelines.flows import STAGES
+from conftest import SMALL, copy_workspace, sh
+from longctx.config import merge
 
 pytestmark = pytest.mark.slow  # end to end through real DVC, Prefect and MLflow: `pytest -m "not slow"` skips it
 
@@ -48,11 +50,11 @@ def server(tmp_path):
     proc.wait(timeout=30)
 
 
-def test_deployment_run_on_a_worker(tmp_path, server):
+def test_deployment_run_on_a_worker(small_run, tmp_path, server):
     ws = tmp_path / "ws"
-    env = {**dvc_workspace(ws, SMALL), **{k: v for k, v in server.items() if k.startswith("PREFECT")},
-           "LONGCTX_WORKSPACE": str(ws)}
-    env.pop("MLFLOW_TRACKING_URI", None)
+    env = {**copy_workspace(small_run[0], ws, store=False), "LONGCTX_WORKSPACE": str(ws),
+           **{k: v for k, v in server.items() if k.startswith("PREFECT")}}
+    (ws / "params.yaml").write_text(yaml.safe_dump(merge(SMALL, {"train": {"sft": {"lr": 2e-3}}}), sort_keys=False))
     sh(["prefect", "work-pool", "create", "longctx-local", "--type", "process"], ws, env)
     sh(["prefect", "--no-prompt", "deploy", "--name", "tiny"], ws, env)
     worker = subprocess.Popen(["prefect", "worker", "start", "--pool", "longctx-local"], cwd=ws, env=env,
@@ -74,5 +76,5 @@ def test_deployment_run_on_a_worker(tmp_path, server):
     assert len(parents) == 1 and parents[0].info.status == "FINISHED"
     kids = client.search_runs([exp.experiment_id],
                               filter_string=f"tags.mlflow.parentRunId = '{parents[0].info.run_id}'")
-    assert {r.info.run_name for r in kids} == set(STAGES)
-    assert (ws / "metrics/eval.json").is_file()
+    assert {r.info.run_name: r.info.status for r in kids} == {"sft": "FINISHED", "eval": "FINISHED"}
+    assert "up to date" in sh(["dvc", "status"], ws, env)  # the outputs are the new params' (dvc.lock)

@@ -1,7 +1,8 @@
 """The Prefect pipeline flow on the smallest profile (prefect_test_harness, real DVC, real MLflow):
 a failing stage fails the flow with its own error, the rerun after the fix skips what DVC already
-made, MLflow holds one parent run per flow run with the stages as children, and a second run on
-a busy workspace is refused."""
+made, MLflow holds one parent run per flow run with the stages that ran as children, and a second
+run on a busy workspace is refused. (The main command's run of every stage under this flow:
+tests/test_dvc_pipeline.py.)"""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import yaml
 from mlflow.tracking import MlflowClient
 from prefect.testing.utilities import prefect_test_harness
 
-from conftest import SMALL, dvc_workspace, sh
+from conftest import SMALL, copy_workspace, dvc_workspace, sh
+from longctx.config import merge
 from pipelines.flows import GPU_LIMIT, STAGES, StageFailed, WorkspaceBusy, ensure_gpu_limit, pipeline, sweep
 
 pytestmark = pytest.mark.slow  # end to end through real DVC, Prefect and MLflow: `pytest -m "not slow"` skips it
@@ -33,10 +35,13 @@ def children(client: MlflowClient, parent) -> dict[str, str]:
     return {r.info.run_name: r.info.status for r in runs}
 
 
-def test_failure_then_resume_and_mlflow_parent_runs(tmp_path, monkeypatch, harness):
+def test_failure_then_resume_and_mlflow_parent_runs(small_run, tmp_path, monkeypatch, harness):
+    """From a finished run (its own MLflow store) whose SFT param changed: SFT runs, then eval
+    fails on impossible lengths; the fix reruns eval alone."""
     ws = tmp_path / "ws"
-    bad = {**SMALL, "eval": {**SMALL["eval"], "lengths": [100_000]}}
-    env = dvc_workspace(ws, bad)
+    env = copy_workspace(small_run[0], ws, store=False)
+    fixed = merge(SMALL, {"train": {"sft": {"lr": 2e-3}}})
+    (ws / "params.yaml").write_text(yaml.safe_dump(merge(fixed, {"eval": {"lengths": [100_000]}}), sort_keys=False))
     monkeypatch.setenv("PYTHONPATH", env["PYTHONPATH"])
 
     # a second run on a workspace whose lock is held is refused before doing anything
@@ -47,7 +52,7 @@ def test_failure_then_resume_and_mlflow_parent_runs(tmp_path, monkeypatch, harne
         with pytest.raises(WorkspaceBusy, match="another longctx pipeline run holds this workspace"):
             pipeline(str(ws))
         fcntl.flock(fh, fcntl.LOCK_UN)
-    assert not (ws / "data").exists()
+    assert not (ws / "mlflow.db").exists() and "sft" in sh(["dvc", "status"], ws, env)  # nothing ran
 
     state = pipeline(str(ws), return_state=True)
     assert state.is_failed()
@@ -57,13 +62,12 @@ def test_failure_then_resume_and_mlflow_parent_runs(tmp_path, monkeypatch, harne
     exp = client.get_experiment_by_name("longctx")
     parents = client.search_runs([exp.experiment_id], filter_string="tags.`longctx.stage` = 'pipeline'")
     assert len(parents) == 1 and parents[0].info.status == "FAILED"
-    first = children(client, parents[0])
-    # eval refused its params before opening a run; everything before it finished
-    assert first == {s: "FINISHED" for s in STAGES if s != "eval"}
+    # eval refused its params before opening a run; SFT ran and finished, DVC skipped the rest
+    assert children(client, parents[0]) == {"sft": "FINISHED"}
     tagged = client.search_runs([exp.experiment_id], filter_string="tags.`longctx.stage` = 'sft'")
     assert tagged[0].data.tags["dvc.lock_md5"] and tagged[0].data.tags["git.commit"]
 
-    (ws / "params.yaml").write_text(yaml.safe_dump(SMALL, sort_keys=False))  # the fix
+    (ws / "params.yaml").write_text(yaml.safe_dump(fixed, sort_keys=False))  # the fix
     results = pipeline(str(ws))
     assert set(results) == set(STAGES) and results["eval"]["tasks"]
     parents = client.search_runs([exp.experiment_id], filter_string="tags.`longctx.stage` = 'pipeline'",

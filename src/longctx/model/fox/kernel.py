@@ -28,7 +28,13 @@ from .acp import Acp, thresholds
 
 TILE = 64
 LOG2E = 1.4426950408889634
-_SCAN_BLOCK = 1024  # tokens per step of the per-head scans (prepare, d log f)
+SCAN_BLOCK = 1024  # tokens per step of the per-head scans (prepare, d log f) on a GPU
+
+
+def _scan_block(n: int) -> int:
+    """SCAN_BLOCK, or in Triton's interpreter, which scans element by element in Python, the
+    power of two that holds n: a test's 128 tokens then cost 128 steps a head, not 1,024."""
+    return min(SCAN_BLOCK, max(TILE, triton.next_power_of_2(n))) if INTERPRET else SCAN_BLOCK
 
 
 # ---------------------------------------------------------------------------------------------
@@ -465,7 +471,7 @@ def _prepare(log_f: torch.Tensor | None, cu: torch.Tensor, n: int,
     _prepare_kernel[(heads,)](
         LOGF=log_f if decay else lam2, CU=cu, LAM=lam2, START=start, END=end, KSTART=kstart, QEND=qend, N=n,
         NB=nb, DOCS=cu.numel() - 1, STEPS=max(1, (cu.numel() - 1).bit_length()), sfn=log_f.stride(0) if decay else 0,
-        sfh=log_f.stride(1) if decay else 0, DECAY=decay, BLOCK=_SCAN_BLOCK, T=TILE, num_warps=4)
+        sfh=log_f.stride(1) if decay else 0, DECAY=decay, BLOCK=_scan_block(n), T=TILE, num_warps=4)
     return lam2, start, end, kstart, qend
 
 
@@ -482,7 +488,7 @@ def _dlogf(dlam2: torch.Tensor, end: torch.Tensor, dtype: torch.dtype) -> torch.
     h, n = dlam2.shape
     out = torch.empty(n, h, dtype=dtype, device=dlam2.device)
     _dlogf_kernel[(h,)](DLAM=dlam2.contiguous(), END=end, DLOGF=out, N=n, sfn=out.stride(0), sfh=out.stride(1),
-                        BLOCK=_SCAN_BLOCK, num_warps=4)
+                        BLOCK=_scan_block(n), num_warps=4)
     return out
 
 
