@@ -104,8 +104,7 @@ def dvc_workspace(ws: Path, params: dict) -> dict:
             (ws / f).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(REPO / f, ws / f)
     (ws / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    env = {**os.environ, **GIT_ENV, "PYTHONPATH": f"{ws / 'src'}{os.pathsep}{ws}"}
-    env.pop("MLFLOW_TRACKING_URI", None)
+    env = workspace_env(ws)
     sh(["git", "init", "-q"], ws, env)
     sh(["git", "add", "-A"], ws, env)
     sh(["git", "commit", "-qm", "init"], ws, env)
@@ -118,7 +117,13 @@ def copy_workspace(src: Path, dst: Path, store: bool = True) -> dict:
     runs then start a store of their own (the original's experiment names its artifact folder)."""
     left = None if store else shutil.ignore_patterns("mlflow.db", "mlartifacts")
     shutil.copytree(src, dst, symlinks=True, ignore=left)
-    env = {**os.environ, **GIT_ENV, "PYTHONPATH": f"{dst / 'src'}{os.pathsep}{dst}"}
+    return workspace_env(dst)
+
+
+def workspace_env(ws: Path) -> dict:
+    """The environment a workspace's stages run with: its own code, git's identity, and the
+    store its params name (no MLFLOW_TRACKING_URI from an in-process test)."""
+    env = {**os.environ, **GIT_ENV, "PYTHONPATH": f"{ws / 'src'}{os.pathsep}{ws}"}
     env.pop("MLFLOW_TRACKING_URI", None)
     return env
 

@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from conftest import REPO, copy_workspace, sh
+from pipelines.flows import STAGES
 
 pytestmark = pytest.mark.slow  # end to end through real DVC, Prefect and MLflow: `pytest -m "not slow"` skips it
 
@@ -25,9 +26,6 @@ def finished(small_run, tmp_path_factory) -> tuple[Path, dict, str]:
     env = copy_workspace(small_run[0], ws)
     assert (ws / ".dvc/config").is_file()  # a clone is a DVC repo as it is
     return ws, env, small_run[1]
-
-
-STAGES = ("corpora", "tokenize", "pack", "base", "rope_search", "pretrain", "sft", "eval")
 
 
 def test_every_stage_runs_through_dvc_and_is_tracked(finished):
