@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 triton = pytest.importorskip("triton")
+tl = pytest.importorskip("triton.language")
 
 from longctx.model.config import FoxConfig, ModelConfig  # noqa: E402
 from longctx.model.fox import Acp, doc_cumsum, reference  # noqa: E402
@@ -524,3 +525,59 @@ def test_the_first_autotuned_call_is_right(monkeypatch):
     ref, ref_grads = expected(q, k, v, log_f, cu, do)
     judge((out, *grads), (ref, *ref_grads), TOLS[torch.bfloat16], "issue 31, tuned")
     assert len(dq.configs) > 1 and len(dq.cache) == 1  # it tuned this one shape
+
+
+@triton.jit
+def _scans(X, FIRST, FORWARD, BACKWARD, N: tl.constexpr):
+    i = tl.arange(0, N)
+    x, first = tl.load(X + i), tl.load(FIRST + i)
+    tl.store(FORWARD + i, fk._segment_sums(x, first))
+    tl.store(BACKWARD + i, tl.associative_scan((first, x), 0, fk._restart_add, reverse=True)[1])
+
+
+@pytest.mark.skipif(CUDA, reason="Triton's interpreter is the CPU's matter")
+def test_the_interpreters_doubling_scan_is_the_element_by_element_one():
+    from triton.runtime import interpreter
+
+    from longctx.model.fox import interpreter as fast
+
+    assert interpreter.ScanOps.generic_scan is fast._doubling_scan  # (kernel.py installs it under the interpreter)
+    assert interpreter._patch_lang.per_launch
+    gen = torch.Generator().manual_seed(7)
+    for n in (1, 64, 512):
+        x = torch.randn(n, generator=gen)
+        first = (torch.rand(n, generator=gen) < 0.05).to(torch.int32)
+        first[0] = 1
+        want_forward, want_backward, at_forward, at_backward = torch.empty(n), torch.empty(n), 0.0, 0.0
+        for i in range(n):  # restarts where `first` is set; the reverse scan restarts at the same flags
+            at_forward = x[i] if first[i] else at_forward + x[i]
+            want_forward[i] = at_forward
+            j = n - 1 - i
+            at_backward = x[j] if first[j] or i == 0 else at_backward + x[j]
+            want_backward[j] = at_backward
+        forward, backward = torch.empty(n), torch.empty(n)
+        _scans[(1,)](x, first, forward, backward, N=n)
+        assert torch.allclose(forward, want_forward, atol=1e-5) and torch.allclose(backward, want_backward, atol=1e-5)
+
+
+def test_the_interpreter_patches_a_language_module_once_a_launch():
+    from types import SimpleNamespace
+
+    from longctx.model.fox.interpreter import _patch_per_launch
+
+    calls, restored = [], []
+
+    def patch_lang(fn):
+        calls.append(fn)
+        return SimpleNamespace(restore=lambda: restored.append(fn))
+
+    patch = _patch_per_launch(patch_lang)
+    kernel, helper = (SimpleNamespace(__globals__={"tl": tl, "x": 1}) for _ in range(2))
+    standard = SimpleNamespace(__globals__={"core": tl.core})  # triton.language's own helpers see only its core
+    scope = patch(kernel)  # a launch
+    patch(helper), patch(standard), patch(standard), patch(helper)
+    assert calls == [kernel, standard]  # the helper of the kernel's module found its language patched
+    scope.restore()
+    assert restored == [kernel]
+    patch(kernel).restore()  # the next launch patches again
+    assert calls == [kernel, standard, kernel]

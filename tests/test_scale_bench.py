@@ -13,7 +13,7 @@ import pytest
 
 from conftest import REPO
 
-ARGS = ["bench/scale.py", "--shape", "tiny", "--fsdp-seq", "1024", "--sp-seq", "2048", "--steps", "1", "--accum", "2",
+ARGS = ["bench/scale.py", "--shape", "tiny", "--fsdp-seq", "512", "--sp-seq", "2048", "--steps", "1", "--accum", "2",
         "--warmup", "1"]
 
 
@@ -44,9 +44,9 @@ def test_two_ranks_report_every_setting_and_match_one_process(tmp_path):
     sys.path.insert(0, str(REPO / "bench"))
     from scale import density, documents
 
-    # the timed step's documents against one of 2,048 tokens: fsdp's 2 ranks x 2 sequences, sp's 2
+    # the timed step's documents against one of 2,048 tokens: fsdp's 2 ranks x 2 sequences (one document each), sp's 2
     assert rows["sp"]["timed_density"] == pytest.approx(density(2048, [2], 2), abs=1e-4)
-    assert rows["fsdp"]["timed_density"] == pytest.approx(density(1024, [2], 4), abs=1e-4)
+    assert rows["fsdp"]["timed_density"] == pytest.approx(density(512, [2], 4), abs=1e-4)
     lengths = [(b[1:] - b[:-1]).double() for b in (documents(2048, 2000), documents(2048, 2001))]
     assert density(2048, [2], 2) == pytest.approx(sum(float((x**2).sum()) for x in lengths) / 2 / 2048**2)
     assert 0.0 <= rows["fox-fsdp"]["acp_pruned_fraction"] < 1.0
@@ -65,7 +65,7 @@ def test_two_ranks_report_every_setting_and_match_one_process(tmp_path):
     shown = subprocess.run([sys.executable, "bench/scale.py", "--compare", *map(str, tmp_path.glob("*/scale-*.json"))],
                            cwd=REPO, capture_output=True, text=True, check=True).stdout
     assert "efficiency" in shown and "fox-fsdp" in shown
-    assert re.search(r"\nsp +2 +2048 .* 1024 ", shown)  # sp against fsdp of the same run
+    assert re.search(r"\nsp +2 +2048 .* 512 ", shown)  # sp against fsdp of the same run
 
 
 def test_sequence_parallelism_is_compared_with_fsdp_of_the_same_model_ranks_and_recomputation():
