@@ -72,16 +72,19 @@ class LayerCache:
             from .fox.decode import decode_attention
 
             return decode_attention(q[0], keys, values, None if lam is None else lam_new[0], lam)[None]
-        groups = q.shape[1] // k.shape[1]
+        heads, kv_heads = q.shape[1], k.shape[1]
         acc = torch.promote_types(q.dtype, torch.float32)
-        logits = torch.einsum("qhd,khd->hqk", q.to(acc), keys.repeat_interleave(groups, dim=1).to(acc))
+        # grouped queries against their shared key head: [n, Hkv, G, D] (no per-step copy of the cache)
+        grouped = q.to(acc).reshape(n, kv_heads, heads // kv_heads, q.shape[-1])
+        logits = torch.einsum("qhgd,khd->hgqk", grouped, keys.to(acc)).reshape(heads, n, total)
         logits = logits * (q.shape[-1] ** -0.5 if scale is None else scale)
         if lam is not None:
             logits = logits + (lam_new.T[:, :, None] - lam.T[:, None, :])
-        q_pos = torch.arange(total - n, total, device=q.device)
-        allowed = q_pos[:, None] >= torch.arange(total, device=q.device)[None, :]
-        probs = logits.masked_fill(~allowed, float("-inf")).softmax(-1)
-        return torch.einsum("hqk,khd->qhd", probs, values.repeat_interleave(groups, dim=1).to(acc)).to(q.dtype)
+        if n > 1:  # new tokens after the first see the cache and the new ones before them
+            q_pos = torch.arange(total - n, total, device=q.device)
+            logits = logits.masked_fill(q_pos[:, None] < torch.arange(total, device=q.device)[None, :], float("-inf"))
+        probs = logits.softmax(-1).reshape(kv_heads, heads // kv_heads, n, total)
+        return torch.einsum("hgqk,khd->qhgd", probs, values.to(acc)).reshape(n, heads, -1).to(q.dtype)
 
 
 class Cache(list):

@@ -17,13 +17,6 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
 from ..errors import DataError
 from ..io import atomic_dir, safetensors_file
@@ -31,7 +24,16 @@ from ..io import atomic_dir, safetensors_file
 NAME = re.compile(r"^step-(\d{8})$")
 
 
-_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+def _dcp():
+    """torch.distributed.checkpoint's state-dict functions, imported at a save or a resume: the
+    import takes ~0.6 s (DTensor, sympy), which a process that only reads models (eval) skips."""
+    from torch.distributed.checkpoint import state_dict
+
+    return state_dict
+
+
+def _full():
+    return _dcp().StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 def _tied(model: torch.nn.Module) -> bool:
@@ -40,7 +42,7 @@ def _tied(model: torch.nn.Module) -> bool:
 
 def _optimizer_tensors(model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
     """Optimizer state keyed by parameter name (the same for a sharded and a plain model)."""
-    sd = get_optimizer_state_dict(model, opt, options=_FULL)
+    sd = _dcp().get_optimizer_state_dict(model, opt, options=_full())
     tensors = {}
     for fqn, state in sd.get("state", {}).items():
         for name, value in state.items():
@@ -54,7 +56,7 @@ def save(root: Path, step: int, model: torch.nn.Module, opt: torch.optim.Optimiz
          keep_last: int = 2, main: bool = True) -> Path:
     """Every rank calls it (gathering a sharded model is collective); the main rank writes."""
     final = root / f"step-{step:08d}"
-    weights = get_model_state_dict(model, options=_FULL)
+    weights = _dcp().get_model_state_dict(model, options=_full())
     tensors, meta = _optimizer_tensors(model, opt)
     if not main:
         return final
@@ -102,7 +104,8 @@ def load(folder: Path, model: torch.nn.Module, opt: torch.optim.Optimizer | None
     bad = sorted(k for k in own if k not in weights or weights[k].shape != own[k])
     if bad or set(weights) - set(own):
         raise DataError(f"{folder}: checkpoint does not fit the model (first mismatches: {bad[:3]})")
-    set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True))
+    dcp = _dcp()
+    dcp.set_model_state_dict(model, weights, options=dcp.StateDictOptions(full_state_dict=True))
     if opt is not None:
         tensors = load_file(str(folder / "optimizer.safetensors"))
         state: dict[str, dict] = {}
@@ -113,8 +116,8 @@ def load(folder: Path, model: torch.nn.Module, opt: torch.optim.Optimizer | None
         for g in groups:
             if "betas" in g:
                 g["betas"] = tuple(g["betas"])
-        set_optimizer_state_dict(model, opt, {"state": state, "param_groups": groups},
-                                 options=StateDictOptions(full_state_dict=True))
+        dcp.set_optimizer_state_dict(model, opt, {"state": state, "param_groups": groups},
+                                     options=dcp.StateDictOptions(full_state_dict=True))
     rng = load_file(str(folder / "rng.safetensors"))
     torch.set_rng_state(rng["torch"])
     cuda = [rng[k] for k in sorted(k for k in rng if k.startswith("cuda."))]
