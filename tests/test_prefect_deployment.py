@@ -65,7 +65,7 @@ def test_deployment_run_on_a_worker(small_run, tmp_path, server):
     finally:
         worker.terminate()
         try:
-            worker.wait(timeout=60)
+            worker.wait(timeout=10)
         except subprocess.TimeoutExpired:  # a worker's graceful shutdown is not what this tests
             worker.kill()
             worker.wait()
