@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from longctx.model.config import FoxConfig, ModelConfig, RopeConfig
-from longctx.model.decode import LayerCache, generate
+from longctx.model.decode import LayerCache, generate, generate_batch
 from longctx.model.transformer import Transformer
 
 BASE = dict(vocab_size=61, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_position_embeddings=32)
@@ -54,13 +54,40 @@ def test_generation_stops_at_eos():
 
 
 def test_the_cache_grows_in_place_and_keeps_every_row():
-    cache = LayerCache()
-    k, v, log_f = torch.randn(300, 2, 8), torch.randn(300, 2, 8), torch.randn(300, 4).sigmoid().log()
-    for lo, hi in [(0, 200), (200, 201), (201, 300)]:  # the prompt, one token, then past the 256 rows first made
-        cache.attend(torch.randn(hi - lo, 4, 8), k[lo:hi], v[lo:hi], log_f[lo:hi])
-    assert cache.length == 300 and cache.k.shape[0] >= 300
-    assert torch.equal(cache.k[:300], k) and torch.equal(cache.v[:300], v)
-    torch.testing.assert_close(cache.lam[:300], log_f.cumsum(0))
+    cache = LayerCache(docs=2)
+    k, v, log_f = torch.randn(600, 2, 8), torch.randn(600, 2, 8), torch.randn(600, 4).sigmoid().log()
+    # document 0 takes rows [0, 300) of k, document 1 rows [300, 600): two prompts, one token each,
+    # then both past the 256 rows first made
+    docs = [[(0, 200), (200, 201), (201, 300)], [(300, 350), (350, 351), (351, 600)]]
+    for (a0, b0), (a1, b1) in zip(*docs, strict=True):
+        rows = torch.cat((torch.arange(a0, b0), torch.arange(a1, b1)))
+        cache.attend(torch.randn(len(rows), 4, 8), k[rows], v[rows], log_f[rows], [0, b0 - a0, len(rows)])
+    assert cache.lengths == [300, 300] and cache.k.shape[1] >= 300
+    for i, rows in enumerate((slice(0, 300), slice(300, 600))):
+        assert torch.equal(cache.k[i, :300], k[rows]) and torch.equal(cache.v[i, :300], v[rows])
+        torch.testing.assert_close(cache.lam[i, :300], log_f[rows].cumsum(0))
+    cache.keep(torch.tensor([1]))
+    assert cache.lengths == [300] and torch.equal(cache.k[0, :300], k[300:])
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_prompts_decoded_together_get_what_each_gets_alone(name):
+    """Packed prefill and one token a document a step, prompts of different lengths finishing at
+    different steps (by their budgets and by eos): each the tokens of its own full-forward argmax,
+    also where LongRoPE's switch or dynamic NTK rebuilds the cache mid-batch."""
+    torch.manual_seed(2)
+    model = Transformer(CONFIGS[name]).double().eval()
+    prompts = [torch.randint(0, 61, (n,)) for n in (7, 3, 11, 5, 1)]
+    steps = [20, 12, 16, 1, 6] if name != "dynamic" else [12, 6, 9, 3, 4]
+    alone = [full_forward_greedy(model, p, s) for p, s in zip(prompts, steps, strict=True)]
+    assert [torch.equal(a, b) for a, b in zip(generate_batch(model, prompts, steps), alone, strict=True)] == [True] * 5
+    eos = int(alone[0][9])  # the first prompt stops by its third new token, the others where it comes up
+    stopped = generate_batch(model, prompts, steps, eos_id=eos)
+    for got, want, p in zip(stopped, alone, prompts, strict=True):
+        new = want[len(p):].tolist()
+        end = len(p) + (new.index(eos) + 1 if eos in new else len(new))
+        assert torch.equal(got, want[:end])
+    assert int(stopped[0][-1]) == eos and stopped[0].numel() <= 10
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")

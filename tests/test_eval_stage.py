@@ -31,10 +31,15 @@ def test_our_decoding_gives_the_transformers_answers(small_project, tmp_path):
     prompts = suite.build_prompts(enc, ["passkey", "niah_multikey", "json_kv"], [256, 768], 1, [0.5], 0,
                                   "Some text. " * 200)
     ours, theirs = suite.our_answerer(model, enc.eos()), suite.hf_answerer(tmp_path / "hf", enc.eos())
-    for p in prompts:
-        ids = enc.prompt(p)
-        a, b = ours(ids, 12), theirs(ids, 12)
+    ids = [enc.prompt(p) for p in prompts]
+    together = ours(ids, [12] * len(ids))  # ours decodes the six prompts (two lengths) in one batch
+    for p, a, b in zip(prompts, together, theirs(ids, [12] * len(ids)), strict=True):
         assert a == b[:len(a)] and len(a) >= 1, p.task
+    # batches of a 1,000-token budget (the three 768-token prompts alone, the 256-token ones together)
+    # score the rows, in the prompts' order, as one prompt a call does
+    alone, _ = suite.run_tasks(ours, enc, prompts, "alone", ids, batch_tokens=1)
+    batched, _ = suite.run_tasks(ours, enc, prompts, "batched", ids, batch_tokens=1000)
+    assert batched == alone and [r["task"] for r in batched] == [p.task for p in prompts]
 
 
 def test_stage_refuses_bad_checkpoints_and_lengths(project_copy):

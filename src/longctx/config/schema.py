@@ -451,6 +451,9 @@ class EvalParams(Strict):
     seed: int = 0
     backend: Literal["ours", "transformers"] = "ours"
     """Greedy decoding with our KV cache, or with transformers on the HF export (RoPE models)."""
+    batch_tokens: PositiveInt = 65536
+    """Prompt tokens prefilled and decoded together (packed, each prompt masked from the others;
+    ours only); a longer prompt goes alone. Bounds the eval's memory."""
     position_sequences: PositiveInt = 8
     """Long validation documents for the per-position loss and perplexity against length."""
     needle_sequences: PositiveInt = 8

@@ -90,7 +90,7 @@ def mean_nll(model, batch: list[tuple[np.ndarray, torch.Tensor]], batch_tokens: 
     forwards of about `batch_tokens` tokens (documents never attend to each other)."""
     device = next(model.parameters()).device
     total, count = 0.0, 0
-    for group in _groups([len(ids) for ids, _ in batch], batch_tokens):
+    for group in groups([len(ids) for ids, _ in batch], batch_tokens):
         ids = torch.cat([torch.from_numpy(np.asarray(batch[i][0], dtype=np.int64)) for i in group]).to(device)
         labels = torch.cat([batch[i][1] for i in group]).to(device)
         cu = torch.tensor([0, *np.cumsum([len(batch[i][0]) for i in group])], dtype=torch.int32, device=device)
@@ -149,7 +149,8 @@ def perplexity(nll: float) -> float:
     return math.exp(min(nll, 700.0))
 
 
-def _groups(lengths: list[int], budget: int) -> list[list[int]]:
+def groups(lengths: list[int], budget: int) -> list[list[int]]:
+    """Consecutive indices in runs of at most `budget` tokens (a longer item alone)."""
     out, cur, used = [], [], 0
     for i, n in enumerate(lengths):
         if cur and used + n > budget:

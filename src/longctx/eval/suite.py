@@ -17,7 +17,7 @@ from ..config import EvalParams
 from ..data.loader import PackedDataset
 from ..data.tokenizer import TextTokenizer
 from ..errors import ConfigError, DataError
-from ..model.decode import generate
+from ..model.decode import generate_batch
 from ..model.hf import native_config
 from ..model.loss import IGNORE
 from ..model.transformer import Transformer
@@ -68,17 +68,19 @@ def build_prompts(enc: Encoder, names: list[str], lengths: list[int], samples: i
     return out
 
 
-Answerer = Callable[[list[int], int], list[int]]
+Answerer = Callable[[list[list[int]], list[int]], list[list[int]]]
+"""Prompts' token ids and each one's new-token budget -> each one's new tokens."""
 
 
 def our_answerer(model: Transformer, eos: int | None) -> Answerer:
+    """Our KV cache, the prompts of one call decoded together."""
     device = next(model.parameters()).device
 
-    def answer(ids: list[int], max_new: int) -> list[int]:
-        prompt = torch.tensor(ids, device=device)
+    def answer(batch: list[list[int]], max_new: list[int]) -> list[list[int]]:
+        prompts = [torch.tensor(ids, device=device) for ids in batch]
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            out = generate(model, prompt, max_new, eos)
-        return out[len(ids):].tolist()
+            out = generate_batch(model, prompts, max_new, eos)
+        return [o[len(ids):].tolist() for o, ids in zip(out, batch, strict=True)]
 
     return answer
 
@@ -92,29 +94,41 @@ def hf_answerer(folder, eos: int | None, dtype: torch.dtype = torch.float32) -> 
         hf = hf.cuda()
 
     @torch.no_grad()
-    def answer(ids: list[int], max_new: int) -> list[int]:
-        x = torch.tensor([ids], device=hf.device)
-        out = hf.generate(x, max_new_tokens=max_new, do_sample=False, eos_token_id=eos, pad_token_id=eos or 0)
-        return out[0, len(ids):].tolist()
+    def answer(batch: list[list[int]], max_new: list[int]) -> list[list[int]]:
+        outs = []
+        for ids, n in zip(batch, max_new, strict=True):  # one at a time: no padding to reason about
+            x = torch.tensor([ids], device=hf.device)
+            out = hf.generate(x, max_new_tokens=n, do_sample=False, eos_token_id=eos, pad_token_id=eos or 0)
+            outs.append(out[0, len(ids):].tolist())
+        return outs
 
     return answer
 
 
 def run_tasks(answer: Answerer, enc: Encoder, prompts: list[tasks.Prompt], desc: str,
-              encoded: list[list[int]] | None = None) -> tuple[list[dict], dict]:
-    """Score every prompt (`encoded`: their token ids, when already encoded); returns rows and
+              encoded: list[list[int]] | None = None, batch_tokens: int = 65536) -> tuple[list[dict], dict]:
+    """Score every prompt (`encoded`: their token ids, when already encoded), up to
+    `batch_tokens` prompt tokens a call of `answer`; returns rows in the prompts' order and
     throughput."""
     encoded = [enc.prompt(p) for p in prompts] if encoded is None else encoded
-    rows, tokens, start = [], 0, time.perf_counter()
+    rows: list[dict | None] = [None] * len(prompts)
+    tokens, start = 0, time.perf_counter()
     eos = enc.eos()
-    for p, ids in progress(list(zip(prompts, encoded, strict=True)), desc=desc, unit="prompt"):
-        out = answer(ids, p.max_new_tokens)
-        if eos is not None and eos in out:
-            out = out[:out.index(eos)]
-        text = enc.tok.tok.decode(out)
-        tokens += len(ids) + len(out)
-        rows.append({"task": p.task, "length": p.length, "depth": p.meta.get("depth"), "score": tasks.score(p, text),
-                     "output": text[:200], "gold": p.gold, "prompt_tokens": len(ids)})
+    with progress(total=len(prompts), desc=desc, unit="prompt") as bar:
+        order = sorted(range(len(prompts)), key=lambda i: -len(encoded[i]))  # batches of about one length
+        for run in needle.groups([len(encoded[i]) for i in order], batch_tokens):
+            batch = [order[j] for j in run]
+            outs = answer([encoded[i] for i in batch], [prompts[i].max_new_tokens for i in batch])
+            for i, out in zip(batch, outs, strict=True):
+                p, ids = prompts[i], encoded[i]
+                if eos is not None and eos in out:
+                    out = out[:out.index(eos)]
+                text = enc.tok.tok.decode(out)
+                tokens += len(ids) + len(out)
+                rows[i] = {"task": p.task, "length": p.length, "depth": p.meta.get("depth"),
+                           "score": tasks.score(p, text), "output": text[:200], "gold": p.gold,
+                           "prompt_tokens": len(ids)}
+            bar.update(len(batch))
     seconds = time.perf_counter() - start
     return rows, {"prompts_per_s": len(prompts) / max(seconds, 1e-9), "tokens_per_s": tokens / max(seconds, 1e-9),
                   "seconds": seconds}
@@ -228,7 +242,7 @@ def evaluate(results: dict, name: str, model: Transformer, folder: Path, enc: En
     encoded = built[enc.chat, key] + [enc.prompt(p) for p in extra]
     answer = (hf_answerer(folder / "hf", enc.eos()) if ec.backend == "transformers"
               else our_answerer(model, enc.eos()))
-    rows, speed = run_tasks(answer, enc, prompts, f"eval {name}", encoded)
+    rows, speed = run_tasks(answer, enc, prompts, f"eval {name}", encoded, ec.batch_tokens)
     for r in rows:
         r["checkpoint"] = name
     results["tasks"][name] = mean_scores(rows)

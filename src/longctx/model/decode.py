@@ -1,9 +1,13 @@
-"""Incremental greedy decoding with a KV cache, for every position encoding and FoX.
+"""Incremental greedy decoding with a KV cache, for every position encoding and FoX, several
+documents at once.
 
-A cache holds one document: per layer the (rotated) keys and values, and for FoX the running
-cumulative log forget gate of every cached key and the KV-shift's last projections. When the
-rotary frequencies change with the length (LongRoPE crossing its original window, dynamic NTK
-beyond it) the cached keys are stale, so the cache is rebuilt from the tokens.
+A cache holds B documents side by side: per layer the (rotated) keys and values in rows
+[b, 0, length_b), and for FoX the running cumulative log forget gate of every cached key and the
+KV-shift's last projections. The prompts are prefilled packed, through the model's attention
+backend (the training path: documents masked from each other, no prompt x prompt score matrix);
+then every unfinished document takes one token a step, so a step costs one forward for all of
+them. When the rotary frequencies change with the length (LongRoPE crossing its original
+window, dynamic NTK beyond it) the cached keys are stale, so the cache is rebuilt from the tokens.
 """
 
 from __future__ import annotations
@@ -20,80 +24,154 @@ KERNEL = os.environ.get("LONGCTX_DECODE", "kernel") != "math"
 LONGCTX_DECODE=math keeps the plain PyTorch path there too (bench/decode.py times both)."""
 
 
+def attend_cached(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lam_q: torch.Tensor | None,
+                  lam_k: torch.Tensor | None, q_pos: torch.Tensor, scale: float) -> torch.Tensor:
+    """Queries q [B, n, H, D] at positions q_pos [B, n] over cached keys, values [B, T, Hkv, D]:
+    a query sees the keys at positions up to its own (the rows past a document's length are
+    masked with them). FoX adds lam_q [B, n, H] - lam_k [B, T, H]. Grouped queries attend their
+    shared key head through a reshape (no copy of the cache)."""
+    b, n, heads, d = q.shape
+    t, kv_heads = keys.shape[1], keys.shape[2]
+    g = heads // kv_heads
+    acc = torch.promote_types(q.dtype, torch.float32)
+    grouped = q.to(acc).reshape(b, n, kv_heads, g, d)
+    logits = torch.einsum("bqhgd,bkhd->bhgqk", grouped, keys.to(acc)) * scale
+    if lam_q is not None:
+        logits = logits + (lam_q.transpose(1, 2).reshape(b, kv_heads, g, n, 1)
+                           - lam_k.transpose(1, 2).reshape(b, kv_heads, g, 1, t))
+    hidden = torch.arange(t, device=q.device)[None, None, :] > q_pos[:, :, None]
+    probs = logits.masked_fill(hidden[:, None, None], float("-inf")).softmax(-1)
+    return torch.einsum("bhgqk,bkhd->bqhgd", probs, values.to(acc)).reshape(b, n, heads, -1).to(q.dtype)
+
+
 class LayerCache:
-    def __init__(self):
-        self.k: torch.Tensor | None = None  # [capacity, Hkv, D]: rows [0, length) are cached
+    """One layer's keys, values (and FoX gates) of B documents, padded to a shared capacity."""
+
+    def __init__(self, docs: int = 1):
+        self.k: torch.Tensor | None = None  # [B, capacity, Hkv, D]: rows [b, 0, lengths[b]) are cached
         self.v: torch.Tensor | None = None
-        self.lam: torch.Tensor | None = None  # [capacity, H] fp32, FoX only
-        self.length = 0
-        self.k_before: torch.Tensor | None = None
+        self.lam: torch.Tensor | None = None  # [B, capacity, H] fp32, FoX only
+        self.lengths = [0] * docs
+        self.k_before: torch.Tensor | None = None  # [B, Hkv, D]: KV-shift's W x of each document's last token
         self.v_before: torch.Tensor | None = None
 
-    def _append(self, k: torch.Tensor, v: torch.Tensor, lam: torch.Tensor | None) -> None:
-        """Write the new rows in place; capacity doubles when full, so a long generation copies
-        the cache O(log T) times instead of once per token."""
-        end = self.length + k.shape[0]
-        if self.k is None or end > self.k.shape[0]:
-            capacity = max(end, 2 * (0 if self.k is None else self.k.shape[0]), 256)
+    def _grow(self, end: int, k: torch.Tensor, v: torch.Tensor, lam: torch.Tensor | None) -> None:
+        """Room for `end` rows a document: capacity doubles when full, so a long generation
+        copies the cache O(log T) times instead of once per token. New rows are zeros: the
+        masked padding of shorter documents must not hold NaNs."""
+        if self.k is not None and end <= self.k.shape[1]:
+            return
+        old = 0 if self.k is None else self.k.shape[1]
+        capacity = max(end, 2 * old, 256)
 
-            def grown(old: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-                new = like.new_empty(capacity, *like.shape[1:])
-                if old is not None:
-                    new[: self.length] = old[: self.length]
-                return new
+        def grown(buf: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+            new = like.new_zeros(len(self.lengths), capacity, *like.shape[1:])
+            if buf is not None:
+                new[:, :old] = buf
+            return new
 
-            self.k, self.v = grown(self.k, k), grown(self.v, v)
-            self.lam = grown(self.lam, lam) if lam is not None else None
-        self.k[self.length:end], self.v[self.length:end] = k, v
-        if lam is not None:
-            self.lam[self.length:end] = lam
-        self.length = end
+        self.k, self.v = grown(self.k, k), grown(self.v, v)
+        self.lam = grown(self.lam, lam) if lam is not None else None
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_f: torch.Tensor | None,
-               backend=None, scale: float | None = None) -> torch.Tensor:
-        """Append k, v (and the gates) and attend the new queries over everything cached. The
-        prompt (an empty cache) goes through the model's attention backend (`backend`): no
-        prompt x prompt score matrix. `scale`: the logit scale when queries and keys are wider
+               bounds: list[int], backend=None, scale: float | None = None) -> torch.Tensor:
+        """Append the new rows k, v (and the gates) of each document (packed, host boundaries
+        `bounds`, one document of the cache each) and attend the new queries over everything
+        cached. Prompts into an empty cache go through the model's attention backend `backend`
+        with the documents' boundaries. `scale`: the logit scale when queries and keys are wider
         than the values (SeqPE), else 1 / sqrt(head_dim)."""
-        n = q.shape[0]
-        prompt = self.length == 0 and backend is not None and n > 1
+        starts = list(self.lengths)
+        spans = list(zip(bounds[:-1], bounds[1:], strict=True))
+        if len(spans) != len(starts):
+            raise ValueError(f"{len(spans)} documents of new tokens for a cache of {len(starts)}")
         lam_new = None
-        if log_f is not None:
-            lam_new = log_f.float().cumsum(0)
-            if self.length:
-                lam_new = lam_new + self.lam[self.length - 1]
-        self._append(k, v, lam_new)
-        if prompt:
-            return backend(q, k, v, torch.tensor([0, n], dtype=torch.int32, device=q.device), log_f, scale)
-        total = self.length
-        keys, values = self.k[:total], self.v[:total]
-        lam = self.lam[:total] if lam_new is not None else None
-        if n == 1 and q.is_cuda and KERNEL and scale is None:
+        if log_f is not None:  # each document's cumulative gate goes on from its last cached key's
+            lam_new = torch.cat([log_f[a:b].float().cumsum(0) + (self.lam[i, s - 1] if s else 0.0)
+                                 for i, ((a, b), s) in enumerate(zip(spans, starts, strict=True))])
+        self._grow(max(s + b - a for (a, b), s in zip(spans, starts, strict=True)), k, v, lam_new)
+        single = all(b - a == 1 for a, b in spans)
+        if single:  # one token a document (a decode step): one write for all
+            rows = torch.arange(len(starts), device=k.device)
+            at = torch.tensor(starts, device=k.device)
+            self.k[rows, at], self.v[rows, at] = k, v
+            if lam_new is not None:
+                self.lam[rows, at] = lam_new
+        else:
+            for i, ((a, b), s) in enumerate(zip(spans, starts, strict=True)):
+                self.k[i, s:s + b - a], self.v[i, s:s + b - a] = k[a:b], v[a:b]
+                if lam_new is not None:
+                    self.lam[i, s:s + b - a] = lam_new[a:b]
+        self.lengths = [s + b - a for (a, b), s in zip(spans, starts, strict=True)]
+        if backend is not None and not any(starts) and not single:
+            cu = torch.tensor(bounds, dtype=torch.int32, device=q.device)
+            return backend(q, k, v, cu, log_f, scale)
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        if single:
+            return self._step(q, lam_new, scale)
+        out = []  # several new tokens after a cached part: a document at a time, causal among them
+        for i, ((a, b), s) in enumerate(zip(spans, starts, strict=True)):
+            end = s + b - a
+            lam = None if lam_new is None else lam_new[None, a:b]
+            out.append(attend_cached(q[None, a:b], self.k[i:i + 1, :end], self.v[i:i + 1, :end], lam,
+                                     None if lam is None else self.lam[i:i + 1, :end],
+                                     torch.arange(s, end, device=q.device)[None], scale)[0])
+        return torch.cat(out)
+
+    def _step(self, q: torch.Tensor, lam_new: torch.Tensor | None, scale: float) -> torch.Tensor:
+        """One new query a document, q [B, H, D], over the documents' cached rows."""
+        top = max(self.lengths)
+        keys, values = self.k[:, :top], self.v[:, :top]
+        lam = None if lam_new is None else self.lam[:, :top]
+        if q.is_cuda and KERNEL and scale == q.shape[-1] ** -0.5:
             from .fox.decode import decode_attention
 
-            return decode_attention(q[0], keys, values, None if lam is None else lam_new[0], lam)[None]
-        heads, kv_heads = q.shape[1], k.shape[1]
-        acc = torch.promote_types(q.dtype, torch.float32)
-        # grouped queries against their shared key head: [n, Hkv, G, D] (no per-step copy of the cache)
-        grouped = q.to(acc).reshape(n, kv_heads, heads // kv_heads, q.shape[-1])
-        logits = torch.einsum("qhgd,khd->hgqk", grouped, keys.to(acc)).reshape(heads, n, total)
-        logits = logits * (q.shape[-1] ** -0.5 if scale is None else scale)
-        if lam is not None:
-            logits = logits + (lam_new.T[:, :, None] - lam.T[:, None, :])
-        if n > 1:  # new tokens after the first see the cache and the new ones before them
-            q_pos = torch.arange(total - n, total, device=q.device)
-            logits = logits.masked_fill(q_pos[:, None] < torch.arange(total, device=q.device)[None, :], float("-inf"))
-        probs = logits.softmax(-1).reshape(kv_heads, heads // kv_heads, n, total)
-        return torch.einsum("hgqk,khd->qhgd", probs, values.to(acc)).reshape(n, heads, -1).to(q.dtype)
+            return torch.stack([decode_attention(q[i], keys[i, :n], values[i, :n], *(() if lam is None else
+                                                                                     (lam_new[i], lam[i, :n])))
+                                for i, n in enumerate(self.lengths)])
+        q_pos = torch.tensor(self.lengths, device=q.device)[:, None] - 1
+        return attend_cached(q[:, None], keys, values, None if lam is None else lam_new[:, None], lam, q_pos,
+                             scale)[:, 0]
+
+    def keep(self, rows: torch.Tensor) -> None:
+        """Only the documents at these indices, in this order (finished ones leave the batch)."""
+        for name in ("k", "v", "lam", "k_before", "v_before"):
+            buf = getattr(self, name)
+            if buf is not None:
+                setattr(self, name, buf.index_select(0, rows))
+        self.lengths = [self.lengths[i] for i in rows.tolist()]
 
 
 class Cache(list):
-    """One LayerCache per layer, and the number of tokens cached."""
+    """One LayerCache per layer for B documents, and the number of tokens each holds."""
 
-    def __init__(self, n_layers: int):
-        super().__init__(LayerCache() for _ in range(n_layers))
-        self.length = 0
-        self.frequencies: torch.Tensor | None = None
+    def __init__(self, n_layers: int, docs: int = 1):
+        super().__init__(LayerCache(docs) for _ in range(n_layers))
+        self.lengths = [0] * docs
+        self.frequencies: list[torch.Tensor | None] = [None] * docs
+
+    def bounds(self, n: int, cu_seqlens: torch.Tensor | list[int] | None) -> list[int]:
+        """The host boundaries of n new tokens over the cache's documents: as given, or the whole
+        of them for one document, or one token each for as many documents."""
+        docs = len(self.lengths)
+        if cu_seqlens is not None:
+            bounds = [int(b) for b in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
+        elif docs == 1:
+            bounds = [0, n]
+        elif n == docs:
+            bounds = list(range(n + 1))
+        else:
+            raise ValueError(f"{n} new tokens over a cache of {docs} documents: give their cu_seqlens")
+        if len(bounds) != docs + 1 or bounds[0] != 0 or bounds[-1] != n:
+            raise ValueError(f"cu_seqlens {bounds} do not split {n} new tokens over the cache's {docs} documents")
+        return bounds
+
+    def keep(self, rows: list[int]) -> None:
+        index = torch.tensor(rows, dtype=torch.long, device=self[0].k.device if self and self[0].k is not None
+                             else None)
+        for layer in self:
+            layer.keep(index)
+        self.lengths = [self.lengths[i] for i in rows]
+        self.frequencies = [self.frequencies[i] for i in rows]
 
 
 def _frequencies(model: Transformer, length: int) -> torch.Tensor | None:
@@ -103,24 +181,51 @@ def _frequencies(model: Transformer, length: int) -> torch.Tensor | None:
     return inverse_frequencies(rope, model.cfg.dim_head, model.cfg.max_position_embeddings, length)[0]
 
 
+def _last_logits(model: Transformer, ids: torch.Tensor, bounds: list[int], cache: Cache) -> torch.Tensor:
+    """The next-token logits after each document's new tokens (the head on those rows only: a
+    64K-token prompt's full logits would be 64K x vocab)."""
+    hidden = model.hidden(ids, bounds, cache=cache)
+    return model.lm_head(hidden[torch.tensor(bounds[1:], device=hidden.device) - 1])
+
+
 @torch.no_grad()
+def generate_batch(model: Transformer, prompts: list[torch.Tensor], max_new_tokens: int | list[int],
+                   eos_id: int | None = None) -> list[torch.Tensor]:
+    """Greedy continuations of several prompts [T_b] at once; returns each prompt + its new
+    tokens (up to its max_new_tokens, or through eos_id). The same tokens as one prompt at a
+    time, up to float rounding: a document never sees another."""
+    if isinstance(max_new_tokens, int):
+        max_new_tokens = [max_new_tokens] * len(prompts)
+    tokens = [p.reshape(-1).clone() for p in prompts]
+    active = [i for i, n in enumerate(max_new_tokens) if n > 0]
+    cache: Cache | None = None
+    new_ids: torch.Tensor | None = None
+    while active:
+        freqs = [_frequencies(model, tokens[i].numel()) for i in active]
+        stale = cache is not None and any(
+            f is not None and not torch.equal(f, c) for f, c in zip(freqs, cache.frequencies, strict=True))
+        if cache is None or stale:  # prefill (again, with the new frequencies): every active prompt, packed
+            cache = Cache(model.cfg.n_layers, len(active))
+            bounds = [0]
+            for i in active:
+                bounds.append(bounds[-1] + tokens[i].numel())
+            logits = _last_logits(model, torch.cat([tokens[i] for i in active]), bounds, cache)
+        else:
+            logits = _last_logits(model, new_ids, list(range(len(active) + 1)), cache)
+        cache.frequencies = freqs
+        nxt = logits.argmax(-1)
+        going = []
+        for row, (i, t) in enumerate(zip(active, nxt.tolist(), strict=True)):
+            tokens[i] = torch.cat((tokens[i], nxt[row:row + 1]))
+            if tokens[i].numel() - prompts[i].numel() < max_new_tokens[i] and t != eos_id:
+                going.append(row)
+        if len(going) < len(active):
+            cache.keep(going)
+        active = [active[r] for r in going]
+        new_ids = nxt[going]
+    return tokens
+
+
 def generate(model: Transformer, prompt: torch.Tensor, max_new_tokens: int, eos_id: int | None = None) -> torch.Tensor:
     """Greedy continuation of one prompt [T]; returns prompt + new tokens."""
-    tokens = prompt.reshape(-1).clone()
-    cache = Cache(model.cfg.n_layers)
-    logits = None
-    for _ in range(max_new_tokens):
-        length = tokens.numel()
-        freqs = _frequencies(model, length)
-        stale = freqs is not None and cache.frequencies is not None and not torch.equal(freqs, cache.frequencies)
-        if stale or cache.length == 0:
-            cache = Cache(model.cfg.n_layers)
-            logits = model(tokens, cache=cache)
-        else:
-            logits = model(tokens[-1:], cache=cache)
-        cache.frequencies = freqs
-        nxt = logits[-1].argmax()
-        tokens = torch.cat((tokens, nxt[None]))
-        if eos_id is not None and int(nxt) == eos_id:
-            break
-    return tokens
+    return generate_batch(model, [prompt], max_new_tokens, eos_id)[0]

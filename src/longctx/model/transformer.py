@@ -64,13 +64,15 @@ class ShiftLinear(nn.Module):
         return self.proj(x).view(-1, self.heads, self.head_dim), torch.sigmoid(self.alpha(x)).unsqueeze(-1)
 
     @staticmethod
-    def mix(y: torch.Tensor, a: torch.Tensor, doc_start: torch.Tensor,
-            before: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(shifted [N, heads, head_dim], W x of the last token). `before` is W x of the token
-        preceding y[0] (decoding with a cache), else zero."""
-        first = torch.zeros_like(y[:1]) if before is None else before[None]
-        prev = torch.cat((first, y[:-1]), dim=0).masked_fill(doc_start[:, None, None], 0.0)
-        return a * prev + (1 - a) * y, y[-1]
+    def mix(y: torch.Tensor, a: torch.Tensor, doc_start: torch.Tensor, before: torch.Tensor | None = None,
+            firsts: torch.Tensor | None = None) -> torch.Tensor:
+        """Shifted [N, heads, head_dim]. `before` [docs, heads, head_dim]: W x of the token that
+        precedes each document's first new token, at rows `firsts` (decoding with a cache), else
+        zero."""
+        prev = torch.cat((torch.zeros_like(y[:1]), y[:-1]), dim=0).masked_fill(doc_start[:, None, None], 0.0)
+        if before is not None:
+            prev = prev.index_copy(0, firsts, before.to(prev.dtype))
+        return a * prev + (1 - a) * y
 
 
 class Attention(nn.Module):
@@ -134,10 +136,14 @@ class Attention(nn.Module):
         head: (o [N, heads, head_dim], ACP's tiles or None)."""
         cache = ctx.cache[self.index] if ctx.cache is not None else None
         if self.kv_shift:
-            k, k_last = self.k_shift.mix(k, k_gate, ctx.doc_start, cache.k_before if cache else None)
-            v, v_last = self.v_shift.mix(v, v_gate, ctx.doc_start, cache.v_before if cache else None)
-            if cache:
-                cache.k_before, cache.v_before = k_last, v_last
+            if cache is None:
+                k, v = self.k_shift.mix(k, k_gate, ctx.doc_start), self.v_shift.mix(v, v_gate, ctx.doc_start)
+            else:  # each document goes on from its last cached token's projections
+                firsts, lasts = ctx.cu_seqlens[:-1].long(), ctx.cu_seqlens[1:].long() - 1
+                k_raw, v_raw = k, v
+                k = self.k_shift.mix(k, k_gate, ctx.doc_start, cache.k_before, firsts)
+                v = self.v_shift.mix(v, v_gate, ctx.doc_start, cache.v_before, firsts)
+                cache.k_before, cache.v_before = k_raw[lasts], v_raw[lasts]
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if ctx.cos is not None:
@@ -154,7 +160,7 @@ class Attention(nn.Module):
         q, k = q.to(v.dtype), k.to(v.dtype)
         tiles = None
         if cache is not None:
-            o = cache.attend(q, k, v, log_f, ctx.attend, ctx.scale)
+            o = cache.attend(q, k, v, log_f, ctx.host, ctx.attend, ctx.scale)
         elif ctx.acp_eps is not None:
             o, tiles = attention.fox_pruned(q, k, v, ctx.cu_seqlens, log_f, eps=ctx.acp_eps,
                                             logit_bound=self.logit_bound())
@@ -248,12 +254,14 @@ class Block(nn.Module):
 
 class Context:
     """What every layer of one forward pass shares: boundaries, rotary tables, the backend (its
-    plan bound), and when decoding, the per-layer caches (a cache holds one document). Boundaries,
-    tables and document starts cover all n tokens, also under sequence parallelism."""
+    plan bound), and when decoding, the per-layer caches (the new tokens continue the cache's
+    documents, one each). Boundaries (`host`: on the host too, when known), tables and document
+    starts cover all n tokens, also under sequence parallelism."""
 
     def __init__(self, cu_seqlens: torch.Tensor, n: int, cos, sin, attend, cache=None,
-                 acp_eps: float | None = None, pe: tuple[torch.Tensor, torch.Tensor, float] | None = None):
-        self.cu_seqlens = cu_seqlens
+                 acp_eps: float | None = None, pe: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+                 host: list[int] | None = None):
+        self.cu_seqlens, self.host = cu_seqlens, host
         self.pe_q, self.pe_k, self.scale = pe if pe is not None else (None, None, None)
         """SeqPE's per-token query and key parts [N, heads, head_dim] and the logit scale."""
         self.acp_eps = acp_eps
@@ -261,15 +269,15 @@ class Context:
         self.attend = attend
         self.cache = cache
         self.doc_start = torch.zeros(n, dtype=torch.bool, device=cu_seqlens.device)
-        if cache is None or cache.length == 0:  # index_fill: a host scalar `True` would be a copy and a sync
+        if cache is None or not any(cache.lengths):  # index_fill: a host scalar `True` would be a copy and a sync
             self.doc_start.index_fill_(0, cu_seqlens[:-1].long(), True)
 
 
-def _top_position(host: list[int] | None, cache, n: int, given: bool) -> int | None:
+def _top_position(host: list[int] | None, cache, given: bool) -> int | None:
     """The largest position of a forward when the host knows it (no device read): the longest
-    document's last, or the cache's; None when the caller chose the positions."""
+    document's last, with a cache counting what it holds; None when the caller chose the positions."""
     if cache is not None:
-        return cache.length + n - 1
+        return max(s + b - a for s, a, b in zip(cache.lengths, host[:-1], host[1:], strict=True)) - 1
     if given or host is None:
         return None
     return max(b - a for a, b in zip(host[:-1], host[1:], strict=True)) - 1
@@ -370,7 +378,8 @@ class Transformer(nn.Module):
         """Final hidden states [N, d_model] for packed ids [N] (or a batch [B, T], flattened).
         `cu_seqlens` may be on the host (a list, or a CPU tensor where no FSDP root moves it):
         backends that size kernels or route documents by length then read it there, with no sync.
-        With a `decode.Cache`, ids continue the single document the cache holds. Under sequence
+        With a `decode.Cache`, ids continue the documents the cache holds (`cu_seqlens`: how many
+        new tokens each; default all for one document, else one each). Under sequence
         parallelism (`sp_group`, set by train/parallel.py), every rank passes the whole
         micro-batch and gets the hidden states of its own slice, `ulysses.bounds(N, sp_group)`."""
         ids = input_ids.reshape(-1)
@@ -379,8 +388,11 @@ class Transformer(nn.Module):
         if cache is not None:
             if self.sp_group is not None:
                 raise ValueError("decoding with a cache runs without sequence parallelism")
-            cu_seqlens = torch.tensor([0, n], dtype=torch.int32)
-            position_ids = torch.arange(cache.length, cache.length + n, device=device)
+            bounds = cache.bounds(n, cu_seqlens)
+            cu_seqlens = torch.tensor(bounds, dtype=torch.int32)
+            sizes = torch.tensor([b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)], device=device)
+            position_ids = (packed_positions(cu_seqlens.to(device), n)
+                            + torch.tensor(cache.lengths, device=device).repeat_interleave(sizes, output_size=n))
         if cu_seqlens is None:
             cu_seqlens = torch.arange(0, n + 1, input_ids.shape[-1], dtype=torch.int32)
         if isinstance(cu_seqlens, (list, tuple)):
@@ -393,7 +405,7 @@ class Transformer(nn.Module):
         lo, hi = ulysses.bounds(n, self.sp_group)
         x = self.embed_tokens(ids[lo:hi])
         cos, sin = self.rotary(position_ids.reshape(-1), cu_seqlens, x.dtype)
-        top = _top_position(host, cache, n, position_ids_given or not self.cfg.reset_position_ids)
+        top = _top_position(host, cache, position_ids_given or not self.cfg.reset_position_ids)
         if self.cfg.learned_positions is not None:
             x = x + self.positions(position_ids.reshape(-1)[lo:hi], top)
         pe = self._seqpe(position_ids.reshape(-1), top) if self.cfg.seqpe is not None else None
@@ -406,7 +418,7 @@ class Transformer(nn.Module):
         if tiles:
             self.acp.stats.add(*torch.stack(tiles).sum(0))
         if cache is not None:
-            cache.length += n
+            cache.lengths = [s + b - a for s, a, b in zip(cache.lengths, host[:-1], host[1:], strict=True)]
         return self.norm(x)
 
     def attention_context(self, cu_seqlens: torch.Tensor, n: int, cos, sin, host: list[int] | None, cache=None,
@@ -427,7 +439,7 @@ class Transformer(nn.Module):
         if plan is not None:
             attend = functools.partial(attend, plan=plan)
         acp_eps = self.acp.eps if self.acp is not None and cache is None else None
-        return Context(cu_seqlens, n, cos, sin, attend, cache, acp_eps, pe)
+        return Context(cu_seqlens, n, cos, sin, attend, cache, acp_eps, pe, host)
 
     def _seqpe(self, positions: torch.Tensor, top: int | None) -> tuple[torch.Tensor, torch.Tensor, float]:
         """SeqPE's per-token query and key parts, from one encoding per distinct position."""
