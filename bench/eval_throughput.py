@@ -1,8 +1,11 @@
-"""Eval throughput on one GPU: prompts/s and tokens/s of the eval stage's greedy
-decoding for a 125M model at 4K and 16K prompts: ours (attention backend for the prompt, KV cache
-after) against transformers' generate on the HF export of the same weights (the peer, same run),
-and FoX (Pro) with ours. Random weights (speed does not depend on them); answers are checked to
-agree between ours and transformers.
+"""Eval throughput on one GPU at the gpu-64k profile's model shape (~100M, 8,192-token
+vocabulary): prompts/s of the eval stage's greedy decoding at 4K-64K prompts, ours decoding the
+prompts of a batch together (`eval.batch_tokens`) against ours one prompt at a time and against
+transformers' generate on the HF export of the same weights (the peer, same run, its prompts
+left-padded into batches of --peer-batch); the prefill alone as prefill tokens/s and as a fraction
+of the GPU's dense bf16 peak (2 FLOPs per non-embedding parameter per token plus causal
+attention, as the training MFU counts); FoX (Pro) with ours beside. Random weights (speed does
+not depend on them); the answers of every mode are compared with batched ours.
 
     python bench/eval_throughput.py --tokenizer data/tokens/tokenizer --out bench/results
 """
@@ -16,73 +19,149 @@ from pathlib import Path
 
 import torch
 
+from longctx import config
 from longctx.data.tokenizer import TextTokenizer
-from longctx.eval import suite
+from longctx.eval import needle, suite
+from longctx.model.config import FoxConfig
 from longctx.model.hf import save_hf
 from longctx.model.transformer import Transformer
 from longctx.perf import write_result
-from longctx.train.models import build, preset
+from longctx.train.loop import flop_params, peak_flops
+from longctx.train.models import build
 
 TASKS = ["niah_single_noise", "json_kv", "variable_tracking", "passkey"]
 
 
-def model(fox: bool, vocab: int) -> Transformer:
-    cfg = preset("fox-125m", "fox" if fox else "llama", 32768).model_copy(update={"vocab_size": vocab})
+def model(fox: bool, vocab: int, window: int) -> Transformer:
+    params = config.resolve({"profile": "gpu-64k"}).model
+    cfg = params.as_model_config(vocab).model_copy(update={"max_position_embeddings": window})
+    if fox:
+        cfg = cfg.model_copy(update={"rope": None, "fox": FoxConfig()})
     return build(cfg, device="cuda").eval()
 
 
-def timed(answer, enc: suite.Encoder, prompts) -> tuple[dict, list[list[int]]]:
-    answer(enc.prompt(prompts[0]), 4)  # warm-up (compilation, allocator)
+def prefill_flops(m: Transformer, lengths: list[int]) -> float:
+    """A forward's FLOPs over these prompts: 2 per non-embedding parameter per token plus the
+    two matmuls of causal attention over each prompt's lower triangle."""
+    c = m.cfg
+    return sum(2 * flop_params(m) * n + 2 * c.n_layers * c.n_heads * c.dim_head * n * n for n in lengths)
+
+
+@torch.no_grad()
+def prefill(m: Transformer, encoded: list[list[int]], budget: int) -> float:
+    """Seconds of the prefills alone (each batch's prompts packed, the head on each last row), as
+    the eval batches them."""
+    order = sorted(range(len(encoded)), key=lambda i: -len(encoded[i]))
+    runs = [[encoded[order[j]] for j in run] for run in needle.groups([len(encoded[i]) for i in order], budget)]
     torch.cuda.synchronize()
-    outs, tokens, t0 = [], 0, time.perf_counter()
-    for p in prompts:
-        ids = enc.prompt(p)
-        out = answer(ids, p.max_new_tokens)
-        outs.append(out)
-        tokens += len(ids) + len(out)
+    t0 = time.perf_counter()
+    for batch in runs:
+        ids = torch.tensor([t for p in batch for t in p], device="cuda")
+        bounds = [0]
+        for p in batch:
+            bounds.append(bounds[-1] + len(p))
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            m.lm_head(m.hidden(ids, bounds)[torch.tensor(bounds[1:], device="cuda") - 1])
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def hf_batched(folder: Path, eos: int | None, batch: int) -> suite.Answerer:
+    """transformers' generate, the prompts left-padded into batches of `batch` (its attention
+    mask and positions skip the padding)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16).cuda().eval()
+    pad = eos or 0
+
+    @torch.no_grad()
+    def answer(prompts: list[list[int]], max_new: list[int]) -> list[list[int]]:
+        outs = []
+        for i in range(0, len(prompts), batch):
+            group, top = prompts[i:i + batch], max(len(p) for p in prompts[i:i + batch])
+            x = torch.tensor([[pad] * (top - len(p)) + p for p in group], device="cuda")
+            mask = torch.tensor([[0] * (top - len(p)) + [1] * len(p) for p in group], device="cuda")
+            out = hf.generate(x, attention_mask=mask, max_new_tokens=max(max_new[i:i + batch]), do_sample=False,
+                              eos_token_id=eos, pad_token_id=pad)
+            outs += [o[top:top + n].tolist() for o, n in zip(out, max_new[i:i + batch], strict=True)]
+        return outs
+
+    return answer
+
+
+def timed(answer: suite.Answerer, enc: suite.Encoder, prompts, encoded, budget: int) -> tuple[dict, list[str]]:
+    answer([encoded[0][:256]], [2])  # warm-up (kernels, allocator)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    rows, _ = suite.run_tasks(answer, enc, prompts, "bench", encoded, budget)
     torch.cuda.synchronize()
     sec = time.perf_counter() - t0
     return {"prompts": len(prompts), "seconds": round(sec, 3), "prompts_per_s": round(len(prompts) / sec, 3),
-            "tokens_per_s": round(tokens / sec)}, outs
+            "mean_score": round(sum(r["score"] for r in rows) / len(rows), 3)}, [r["output"] for r in rows]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokenizer", type=Path, required=True)
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
-    parser.add_argument("--per-task", type=int, default=3)
+    parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 32768, 65536])
+    parser.add_argument("--per-task", type=int, default=4, help="prompts per task and length (4 tasks)")
+    parser.add_argument("--batch-tokens", type=int, default=65536, help="ours: prompt tokens a batch")
+    parser.add_argument("--peer-batch", type=int, default=4, help="transformers: prompts a generate call")
+    parser.add_argument("--peer-lengths", type=int, nargs="*", default=[4096, 16384],
+                        help="lengths to time transformers at (it is the slow one)")
     args = parser.parse_args()
     tok = TextTokenizer.load(args.tokenizer)
     enc = suite.Encoder(tok, chat=False)
-    vocab = max(tok.vocab_size, 32000)
+    vocab = max(tok.vocab_size, 8192)
+    window = max(args.lengths)
+    peak = peak_flops(torch.device("cuda"))
     rows = []
-    for length in (4096, 16384):
-        prompts = suite.build_prompts(enc, TASKS, [length], args.per_task, [0.5], 0, tasks_text())
-        llama = model(False, vocab)
-        with tempfile.TemporaryDirectory() as d:
-            save_hf(llama, Path(d) / "hf", args.tokenizer)
-            ours, ours_out = timed(suite.our_answerer(llama, enc.eos()), enc, prompts)
-            peer, peer_out = timed(suite.hf_answerer(Path(d) / "hf", enc.eos(), dtype=torch.bfloat16), enc, prompts)
-        agree = sum(a[:8] == b[:8] for a, b in zip(ours_out, peer_out, strict=True)) / len(prompts)
-        rows.append({"length": length, "model": "Transformer", "ours": ours, "transformers": peer,
-                     "speedup_vs_transformers": round(ours["prompts_per_s"] / peer["prompts_per_s"], 3),
-                     "first_8_tokens_agree": agree})
-        del llama
-        fox = model(True, vocab)
-        fox_row, _ = timed(suite.our_answerer(fox, enc.eos()), enc, prompts)
-        rows.append({"length": length, "model": "FoX (Pro)", "ours": fox_row})
-        del fox
-        torch.cuda.empty_cache()
-        print(rows[-2], rows[-1], flush=True)
-    print(f"{'length':>7} {'model':<12} {'ours prompts/s':>15} {'tok/s':>9} {'transformers':>13} {'ratio':>6}")
+    with tempfile.TemporaryDirectory() as d:
+        for fox in (False, True):
+            m = model(fox, vocab, window)
+            name = "FoX (Pro)" if fox else "Transformer"
+            if not fox:
+                save_hf(m, Path(d) / "hf", args.tokenizer)
+            for length in args.lengths:
+                prompts = suite.build_prompts(enc, TASKS, [length], args.per_task, [0.5], 0, haystack())
+                encoded = [enc.prompt(p) for p in prompts]
+                ours = suite.our_answerer(m, enc.eos())
+                seconds = prefill(m, encoded, args.batch_tokens)
+                flops = prefill_flops(m, [len(e) for e in encoded])
+                row = {"model": name, "length": length, "prompts": len(prompts),
+                       "prompt_tokens": sum(map(len, encoded)),
+                       "prefill_tokens_per_s": round(sum(map(len, encoded)) / seconds),
+                       "prefill_flop_fraction": round(flops / seconds / peak, 4) if peak else None}
+                row["batched"], want = timed(ours, enc, prompts, encoded, args.batch_tokens)
+                row["one_at_a_time"], got = timed(ours, enc, prompts, encoded, 1)
+                row["one_at_a_time"]["same_answers"] = sum(a == b for a, b in zip(got, want, strict=True))
+                if not fox and length in args.peer_lengths:
+                    peer = hf_batched(Path(d) / "hf", enc.eos(), args.peer_batch)
+                    row["transformers"], got = timed(peer, enc, prompts, encoded, 1 << 30)
+                    row["transformers"]["same_answers"] = sum(a == b for a, b in zip(got, want, strict=True))
+                    row["vs_transformers"] = round(row["batched"]["prompts_per_s"]
+                                                   / row["transformers"]["prompts_per_s"], 2)
+                    del peer
+                row["vs_one_at_a_time"] = round(row["batched"]["prompts_per_s"] / row["one_at_a_time"]["prompts_per_s"],
+                                                2)
+                rows.append(row)
+                print(row, flush=True)
+            del m
+            torch.cuda.empty_cache()
+    print(f"{'model':<12} {'length':>7} {'prompts/s':>10} {'1-at-a-time':>11} {'transformers':>12} {'x HF':>5} "
+          f"{'prefill tok/s':>13} {'of peak':>7}")
     for r in rows:
-        peer = r.get("transformers", {})
-        print(f"{r['length']:>7} {r['model']:<12} {r['ours']['prompts_per_s']:>15} {r['ours']['tokens_per_s']:>9} "
-              f"{peer.get('prompts_per_s', '-'):>13} {r.get('speedup_vs_transformers', '-'):>6}")
-    write_result(args.out, "eval_throughput", {"shape": "125m", "tasks": TASKS, "rows": rows})
+        peer = r.get("transformers", {}).get("prompts_per_s", "-")
+        print(f"{r['model']:<12} {r['length']:>7} {r['batched']['prompts_per_s']:>10} "
+              f"{r['one_at_a_time']['prompts_per_s']:>11} {peer:>12} {r.get('vs_transformers', '-'):>5} "
+              f"{r['prefill_tokens_per_s']:>13} {r['prefill_flop_fraction']:>7}")
+    write_result(args.out, "eval_throughput", {"shape": "gpu-64k model (d768, 12 layers)", "tasks": TASKS,
+                                                "batch_tokens": args.batch_tokens, "peer_batch": args.peer_batch,
+                                                "rows": rows})
 
 
-def tasks_text() -> str:
+def haystack() -> str:
     return "A long text about nothing in particular, repeated to make a haystack. " * 50
 
 

@@ -114,3 +114,20 @@ def test_decode_kernel_matches_float64(t, h, hk, d):
                                lam[:t].to(dev) if decay else None)
         assert got.shape == (h, d) and got.dtype == dtype
         assert ((got.double().cpu() - want).norm() / want.norm()) <= (1e-2 if dev == "cuda" else 1e-5), decay
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["llama", "fox_pro"])
+def test_prompts_decoded_together_on_cuda_get_what_each_gets_alone(name):
+    """On CUDA: the packed prefill through the model's backend (cuDNN or the FoX kernel) and the
+    decode kernel per document, fp32 weights: the tokens of one prompt at a time."""
+    torch.manual_seed(3)
+    cfg = CONFIGS[name].model_copy(update={"vocab_size": 512, "d_model": 128, "n_heads": 4, "n_kv_heads": 2,
+                                           "max_position_embeddings": 4096})
+    model = Transformer(cfg).cuda().eval()
+    prompts = [torch.randint(0, 512, (n,), device="cuda") for n in (1500, 37, 900, 2048)]
+    steps = [8, 5, 1, 12]
+    alone = [generate(model, p, s) for p, s in zip(prompts, steps, strict=True)]
+    together = generate_batch(model, prompts, steps)
+    assert [torch.equal(a, b) for a, b in zip(together, alone, strict=True)] == [True] * 4
