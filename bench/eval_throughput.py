@@ -127,6 +127,7 @@ def main() -> None:
                 prompts = suite.build_prompts(enc, TASKS, [length], args.per_task, [0.5], 0, haystack())
                 encoded = [enc.prompt(p) for p in prompts]
                 ours = suite.our_answerer(m, enc.eos())
+                prefill(m, encoded, args.batch_tokens)  # warm-up: each length's kernels (FoX tunes per length)
                 seconds = prefill(m, encoded, args.batch_tokens)
                 flops = prefill_flops(m, [len(e) for e in encoded])
                 row = {"model": name, "length": length, "prompts": len(prompts),

@@ -120,12 +120,12 @@ def test_decode_kernel_matches_float64(t, h, hk, d):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name", ["llama", "fox_pro"])
 def test_prompts_decoded_together_on_cuda_get_what_each_gets_alone(name):
-    """On CUDA: the packed prefill through the model's backend (cuDNN or the FoX kernel) and the
+    """On CUDA: the packed prefill through a backend (PyTorch's SDPA, the FoX kernel) and the
     decode kernel per document, fp32 weights: the tokens of one prompt at a time."""
     torch.manual_seed(3)
     cfg = CONFIGS[name].model_copy(update={"vocab_size": 512, "d_model": 128, "n_heads": 4, "n_kv_heads": 2,
                                            "max_position_embeddings": 4096})
-    model = Transformer(cfg).cuda().eval()
+    model = Transformer(cfg, "sdpa" if name == "llama" else "fox").cuda().eval()  # (cuDNN takes bf16 only)
     prompts = [torch.randint(0, 512, (n,), device="cuda") for n in (1500, 37, 900, 2048)]
     steps = [8, 5, 1, 12]
     alone = [generate(model, p, s) for p, s in zip(prompts, steps, strict=True)]
