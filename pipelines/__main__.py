@@ -35,14 +35,28 @@ def summary(ws: Path) -> str:
     ckpts = list(ev["tasks"])
     tasks = sorted({t for by_task in ev["tasks"].values() for t in by_task})
 
-    def score(ckpt: str, value: float | None, n: int) -> str:
-        return "-" if value is None else f"{value:.2f}{BEYOND if beyond(windows, ckpt, n) else ''}"
+    cells = ev.get("cells", {})  # (absent from results of older runs)
+
+    def score(ckpt: str, value: float | None, n: int, task: str | None = None) -> str:
+        if value is None:
+            return "-"
+        cell = cells.get(ckpt, {}).get(task, {}).get(str(n)) if task else None
+        text = f"{value:.2f} [{cell['lo']:.2f}-{cell['hi']:.2f}]" if cell else f"{value:.2f}"
+        return text + (BEYOND if beyond(windows, ckpt, n) else "")
+
+    def counts(n: int) -> str:
+        seen = sorted({cell[str(n)]["n"] for by in cells.values() for cell in by.values() if str(n) in cell})
+        return f" (n = {'/'.join(map(str, seen))} prompts a task; 95% intervals)" if seen else ""
 
     rows = [["", *ckpts]]
     for n in lengths:
-        rows.append([f"at {n} tokens"])
-        rows += [[f"  {t}", *(score(c, ev["tasks"][c].get(t, {}).get(str(n)), n) for c in ckpts)] for t in tasks]
+        rows.append([f"at {n} tokens{counts(n)}"])
+        rows += [[f"  {t}", *(score(c, ev["tasks"][c].get(t, {}).get(str(n)), n, t) for c in ckpts)] for t in tasks]
         rows.append(["  mean", *(score(c, means[c].get(n), n) for c in ckpts)])
+        verdicts = ev.get("verdicts", {})
+        if verdicts:
+            rows.append(["  vs base", *(verdict(verdicts[c]["base"]["all"].get(str(n))) if c in verdicts else ""
+                                        for c in ckpts)])
 
     def ppl(table: dict, ckpt: str) -> str:
         by = table.get(ckpt, {})
@@ -61,14 +75,26 @@ def summary(ws: Path) -> str:
     if any(beyond(windows, c, n) for c in ev["tasks"] for n in lengths):
         table += f"\n{BEYOND} beyond the checkpoint's window (the length it was trained to)"
     longest = lengths[-1] if lengths else None
-    scored = {c: by[longest] for c, by in means.items() if longest in by}
-    if not scored:
+    top = ev.get("best", {}).get(str(longest))
+    if top is None:
         return table
-    best = max(scored.values())
-    leaders = [c for c, v in scored.items() if v == best]
-    if len(leaders) == len(scored):
-        return table + f"\nat {longest} tokens every checkpoint scores {best:.2f}: the tasks do not tell them apart"
-    return table + f"\nbest at {longest} tokens: {', '.join(leaders)} (mean task score {best:.2f})"
+    if all(v["wins"] == v["losses"] == 0 for v in top["against"].values()):
+        return table + (f"\nat {longest} tokens every checkpoint scores {top['mean']:.2f}, alike on every prompt: "
+                        "the tasks do not tell them apart")
+    if top["supported"]:
+        return table + (f"\nbest at {longest} tokens: {top['checkpoint']} (mean over its prompts {top['mean']:.2f}; "
+                        "better than every other checkpoint on the same prompts at 95%)")
+    ties = [c for c, v in top["against"].items() if v["verdict"] != "better"]
+    return table + (f"\nat {longest} tokens no checkpoint is best at 95%: {top['checkpoint']} scores highest "
+                    f"({top['mean']:.2f} over its prompts) but is not better than {', '.join(ties)} on the same "
+                    "prompts")
+
+
+def verdict(v: dict | None) -> str:
+    """A paired verdict in a table cell: `better 12-3` (prompts won and lost)."""
+    if v is None:
+        return "-"
+    return f"{'no diff.' if v['verdict'] == 'no difference' else v['verdict']} {v['wins']}-{v['losses']}"
 
 
 def main() -> None:

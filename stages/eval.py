@@ -89,9 +89,16 @@ def run(cfg: Params, root: Path) -> None:
             print(f"eval {name}: mean task score {scores}", flush=True)
             speed = results["throughput"][name]
             tracker.metrics({f"{name}.{t}.{n}": v for t, by in results["tasks"][name].items() for n, v in by.items()})
+            tracker.metrics({f"{name}.{t}.{n}.{k}": cell[k] for t, by in results["cells"][name].items()
+                             for n, cell in by.items() for k in ("n", "lo", "hi")})
             tracker.metrics({f"{name}.{k}": speed[k] for k in ("prompts_per_s", "tokens_per_s")})
             if windows[name].length is not None:  # scores at lengths above it were measured beyond the window
                 tracker.metrics({f"{name}.window": windows[name].length})
+        results["verdicts"] = report.verdicts(rows_all, list(ckpts))
+        results["best"] = report.best(rows_all, list(ckpts))
+        sign = {"better": 1, "worse": -1, "no difference": 0}
+        tracker.metrics({f"{c}.vs_{against}.{t}.{n}": sign[v["verdict"]] for c, by in results["verdicts"].items()
+                         for against, cmp in by.items() for t, at in cmp.items() if t != "vs" for n, v in at.items()})
         write_outputs(results, rows_all, position_rows)
         for f in ("scores.csv", "position_loss.csv", "score_vs_length.png", "position_loss.png", "niah_heatmap.png"):
             tracker.artifact(PLOT_DIR / f)

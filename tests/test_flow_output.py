@@ -107,31 +107,56 @@ def test_a_gpu_slot_counts_among_the_visible_gpus(monkeypatch, tmp_path):
         assert extra == {}
 
 
-def test_the_final_table_shows_every_task_at_every_length_and_names_the_best(tmp_path):
+def _eval_json(folder, prompts: dict) -> None:
+    """metrics/eval.json as the eval stage writes it from prompt rows: checkpoint -> (task,
+    length) -> each prompt's score."""
     import json
 
-    from pipelines.__main__ import summary
+    from longctx.eval import report
 
-    ev = {"tasks": {"base": {"passkey": {"512": 1.0, "2048": 0.0}, "kv": {"512": 0.5, "2048": 0.0}},
-                    "pretrain_stage2": {"passkey": {"512": 1.0, "2048": 0.75}, "kv": {"512": 0.5, "2048": 0.25}}},
+    rows = [{"checkpoint": c, "task": t, "length": n, "score": s} for c, cells in prompts.items()
+            for (t, n), scores in cells.items() for s in scores]
+    ev = {"tasks": {c: report.mean_scores([r for r in rows if r["checkpoint"] == c]) for c in prompts},
+          "cells": {c: report.cells([r for r in rows if r["checkpoint"] == c]) for c in prompts},
+          "verdicts": report.verdicts(rows, list(prompts)), "best": report.best(rows, list(prompts)),
           "ppl_by_length": {"base": {"512": 20.0, "2048": 90.0}, "pretrain_stage2": {"512": 19.0, "2048": 25.0}},
           "needle_ppl": {"base": {"2048": 40.0}}, "retention_ppl": {"base": 21.5},
           "windows": {"base": 512, "pretrain_stage2": 8192}}
-    (tmp_path / "metrics").mkdir()
-    (tmp_path / "metrics/eval.json").write_text(json.dumps(ev))
+    (folder / "metrics").mkdir(exist_ok=True)
+    (folder / "metrics/eval.json").write_text(json.dumps(ev))
+
+
+def test_the_final_table_shows_every_task_at_every_length_and_names_the_best(tmp_path):
+    from pipelines.__main__ import summary
+
+    base = {("passkey", 512): [1.0] * 10, ("kv", 512): [1.0] * 5 + [0.0] * 5,
+            ("passkey", 2048): [0.0] * 10, ("kv", 2048): [0.0] * 10}
+    longer = {**base, ("passkey", 2048): [1.0] * 9 + [0.0], ("kv", 2048): [1.0] * 3 + [0.0] * 7}
+    _eval_json(tmp_path, {"base": base, "pretrain_stage2": longer})
     lines = summary(tmp_path).splitlines()
     assert [line.split() for line in lines] == [
         ["base", "pretrain_stage2"],
-        ["at", "512", "tokens"], ["kv", "0.50", "0.50"], ["passkey", "1.00", "1.00"], ["mean", "0.75", "0.75"],
-        ["at", "2048", "tokens"], ["kv", "0.00*", "0.25"], ["passkey", "0.00*", "0.75"], ["mean", "0.00*", "0.50"],
+        ["at", "512", "tokens", "(n", "=", "10", "prompts", "a", "task;", "95%", "intervals)"],
+        ["kv", "0.50", "[0.24-0.76]", "0.50", "[0.24-0.76]"], ["passkey", "1.00", "[0.72-1.00]", "1.00", "[0.72-1.00]"],
+        ["mean", "0.75", "0.75"], ["vs", "base", "no", "diff.", "0-0"],
+        ["at", "2048", "tokens", "(n", "=", "10", "prompts", "a", "task;", "95%", "intervals)"],
+        ["kv", "0.00", "[0.00-0.28]*", "0.30", "[0.11-0.60]"],
+        ["passkey", "0.00", "[0.00-0.28]*", "0.90", "[0.60-0.98]"],
+        ["mean", "0.00*", "0.60"], ["vs", "base", "better", "12-0"],
         ["perplexity"], ["at", "2048", "tokens", "90.0", "25.0"], ["needle", "at", "2048", "tokens", "40.0", "n/a"],
         ["short", "context", "21.5", "n/a"],
         ["*", "beyond", "the", "checkpoint's", "window", "(the", "length", "it", "was", "trained", "to)"],
-        ["best", "at", "2048", "tokens:", "pretrain_stage2", "(mean", "task", "score", "0.50)"]]
-    ev["tasks"]["pretrain_stage2"] = ev["tasks"]["base"]
-    (tmp_path / "metrics/eval.json").write_text(json.dumps(ev))
+        ["best", "at", "2048", "tokens:", "pretrain_stage2", "(mean", "over", "its", "prompts", "0.60;", "better",
+         "than", "every", "other", "checkpoint", "on", "the", "same", "prompts", "at", "95%)"]]
+    # a lead too small for its prompts: named as the highest, not as the best
+    _eval_json(tmp_path, {"base": base, "pretrain_stage2": {**base, ("kv", 2048): [1.0] * 2 + [0.0] * 8}})
+    assert summary(tmp_path).splitlines()[-1] == (
+        "at 2048 tokens no checkpoint is best at 95%: pretrain_stage2 scores highest (0.10 over its prompts) but is "
+        "not better than base on the same prompts")
+    _eval_json(tmp_path, {"base": base, "pretrain_stage2": base})
     last = summary(tmp_path).splitlines()[-1]
-    assert last == "at 2048 tokens every checkpoint scores 0.00: the tasks do not tell them apart"
+    assert last == ("at 2048 tokens every checkpoint scores 0.00, alike on every prompt: the tasks do not tell "
+                    "them apart")
 
 
 def test_the_parent_run_gets_the_headline_results():

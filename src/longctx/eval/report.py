@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import stats
+
 
 def empty_results() -> dict:
     """The sections every checkpoint's measurements go into; what cannot be computed says why."""
     return {"tasks": {}, "throughput": {}, "position_loss": {}, "ppl_by_length": {}, "needle_ppl": {},
-            "retention_ppl": {}, "skipped": [], "windows": {},
+            "retention_ppl": {}, "skipped": [], "windows": {}, "cells": {}, "verdicts": {}, "best": {},
             "not_computed": {"helmet_gpt4o_judged": "GPT-4o-judged metrics (HELMET summarization, QA "
                                                     "judge) need an external API; not computed"}}
 
@@ -21,6 +23,69 @@ def mean_scores(rows: list[dict]) -> dict[str, dict[int, float]]:
     for r in rows:
         out.setdefault(r["task"], {}).setdefault(r["length"], []).append(r["score"])
     return {t: {n: float(np.mean(v)) for n, v in by.items()} for t, by in out.items()}
+
+
+def _by_cell(rows: list[dict]) -> dict[tuple[str, int], list[float]]:
+    """(task, length) -> the prompts' scores in prompt order."""
+    out: dict[tuple[str, int], list[float]] = {}
+    for r in rows:
+        out.setdefault((r["task"], int(r["length"])), []).append(r["score"])
+    return out
+
+
+def cells(rows: list[dict]) -> dict[str, dict[int, dict]]:
+    """Task -> length -> the number of prompts behind the score and its 95% interval (the
+    `cells` section of one checkpoint)."""
+    out: dict[str, dict[int, dict]] = {}
+    for (task, n), scores in _by_cell(rows).items():
+        lo, hi = stats.interval(scores)
+        out.setdefault(task, {})[n] = {"n": len(scores), "lo": round(lo, 4), "hi": round(hi, 4)}
+    return out
+
+
+def _paired(new: list[dict], old: list[dict]) -> dict:
+    """Per task and length, and over every prompt of a length ("all"), `new` against `old` on
+    the prompts both answered (the same prompts: the eval builds them once)."""
+    a, b = _by_cell(new), _by_cell(old)
+    out: dict = {"all": {}}
+    pooled: dict[int, tuple[list[float], list[float]]] = {}
+    for (task, n) in sorted(set(a) & set(b)):
+        out.setdefault(task, {})[n] = stats.paired(a[task, n], b[task, n])
+        mine, theirs = pooled.setdefault(n, ([], []))
+        mine += a[task, n]
+        theirs += b[task, n]
+    for n, (mine, theirs) in sorted(pooled.items()):
+        out["all"][n] = stats.paired(mine, theirs)
+    return out
+
+
+def verdicts(rows: list[dict], order: list[str]) -> dict:
+    """Each checkpoint after the first against the first (the base) and against the one before
+    it: `better`, `worse` or `no difference` at 95% per task and length (the `verdicts` section)."""
+    by = {c: [r for r in rows if r["checkpoint"] == c] for c in order}
+    out = {}
+    for i, c in enumerate(order[1:], start=1):
+        out[c] = {"base": {"vs": order[0], **_paired(by[c], by[order[0]])}}
+        if i > 1:
+            out[c]["previous"] = {"vs": order[i - 1], **_paired(by[c], by[order[i - 1]])}
+    return out
+
+
+def best(rows: list[dict], order: list[str]) -> dict:
+    """Per length: the checkpoint with the highest mean over every prompt, and its paired verdict
+    against each other checkpoint there; `supported` when it is better than every one at 95%
+    (the `best` section: the main command names a best checkpoint only then)."""
+    out = {}
+    lengths = sorted({int(r["length"]) for r in rows})
+    for n in lengths:
+        at = {c: [r for r in rows if r["checkpoint"] == c and int(r["length"]) == n] for c in order}
+        at = {c: v for c, v in at.items() if v}
+        means = {c: float(np.mean([r["score"] for r in v])) for c, v in at.items()}
+        leader = max(means, key=means.get)
+        against = {c: _paired(at[leader], at[c])["all"][n] for c in at if c != leader}
+        out[n] = {"checkpoint": leader, "mean": round(means[leader], 4), "against": against,
+                  "supported": bool(against) and all(v["verdict"] == "better" for v in against.values())}
+    return out
 
 
 def score_rows(tasks: dict) -> list[dict]:
@@ -67,4 +132,30 @@ def comparison(results: dict) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     if any(beyond(windows, c, n) for c, by in means.items() for n in by):
         lines.append(f"\n{BEYOND} beyond the checkpoint's window (the length it was trained to)")
+    if results.get("cells"):
+        lines += ["", "Each task: score [95% interval] (prompts)", "",
+                  "| checkpoint | task | " + " | ".join(f"@{n}" for n in lengths) + " |",
+                  "|" + "---|" * (len(lengths) + 2)]
+        for c, by_task in results["tasks"].items():
+            for t, by in by_task.items():
+                cell = {int(n): v for n, v in results["cells"][c][t].items()}
+                score = {int(n): v for n, v in by.items()}
+                lines.append(f"| {c} | {t} | " + " | ".join(
+                    interval_text(score[n], cell[n]) if n in score else "skipped" for n in lengths) + " |")
+    if results.get("verdicts"):
+        lines += ["", "Against the base, every prompt of a length paired (sign test, 95%): verdict (wins-losses)", "",
+                  "| checkpoint | " + " | ".join(f"@{n}" for n in lengths) + " |", "|" + "---|" * (len(lengths) + 1)]
+        for c, by in results["verdicts"].items():
+            pooled = {int(n): v for n, v in by["base"]["all"].items()}
+            lines.append(f"| {c} | " + " | ".join(verdict_text(pooled[n]) if n in pooled else "-" for n in lengths)
+                         + " |")
     return "\n".join(lines) + "\n"
+
+
+def interval_text(score: float, cell: dict) -> str:
+    """`0.82 [0.69-0.90] (50)`."""
+    return f"{score:.2f} [{cell['lo']:.2f}-{cell['hi']:.2f}] ({cell['n']})"
+
+
+def verdict_text(v: dict) -> str:
+    return f"{v['verdict']} ({v['wins']}-{v['losses']})"

@@ -23,7 +23,7 @@ from ..model.loss import IGNORE
 from ..model.transformer import Transformer
 from ..progress import progress
 from . import helmet, needle, tasks
-from .report import mean_scores
+from .report import cells, mean_scores
 
 
 @dataclass(frozen=True)
@@ -246,6 +246,7 @@ def evaluate(results: dict, name: str, model: Transformer, folder: Path, enc: En
     for r in rows:
         r["checkpoint"] = name
     results["tasks"][name] = mean_scores(rows)
+    results["cells"][name] = cells(rows)
     results["throughput"][name] = speed
     curve = perplexities(results, name, model, data, enc.tok, ec)
     if ec.lm_eval_tasks:
