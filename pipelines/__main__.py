@@ -3,7 +3,6 @@ through the Prefect flow, then prints each checkpoint's key scores and how to op
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import sys
@@ -12,7 +11,7 @@ from pathlib import Path
 
 from longctx.config import TrackingParams, load
 from longctx.errors import LongctxError
-from longctx.eval.report import BEYOND, beyond, length_means
+from longctx.eval.summary import summary
 from longctx.tracking import experiment_id, tracking_uri
 
 # without a Prefect server, the flow starts a temporary one; a loaded 2-core machine needs longer
@@ -23,78 +22,6 @@ os.environ.setdefault("DVC_NO_ANALYTICS", "1")
 
 from .flows import StageFailed, pipeline, workspace_lock  # noqa: E402
 from .server import prefect_api  # noqa: E402
-
-
-def summary(ws: Path) -> str:
-    """One column per checkpoint: its score on every task at every evaluated length (a block per
-    length, with the mean), its perplexities, and a line naming the best checkpoint at the
-    longest length."""
-    ev = json.loads((ws / "metrics" / "eval.json").read_text())
-    lengths, means = length_means(ev["tasks"])
-    windows = ev.get("windows", {})  # (absent from results of older runs)
-    ckpts = list(ev["tasks"])
-    tasks = sorted({t for by_task in ev["tasks"].values() for t in by_task})
-
-    cells = ev.get("cells", {})  # (absent from results of older runs)
-
-    def score(ckpt: str, value: float | None, n: int, task: str | None = None) -> str:
-        if value is None:
-            return "-"
-        cell = cells.get(ckpt, {}).get(task, {}).get(str(n)) if task else None
-        text = f"{value:.2f} [{cell['lo']:.2f}-{cell['hi']:.2f}]" if cell else f"{value:.2f}"
-        return text + (BEYOND if beyond(windows, ckpt, n) else "")
-
-    def counts(n: int) -> str:
-        seen = sorted({cell[str(n)]["n"] for by in cells.values() for cell in by.values() if str(n) in cell})
-        return f" (n = {'/'.join(map(str, seen))} prompts a task; 95% intervals)" if seen else ""
-
-    rows = [["", *ckpts]]
-    for n in lengths:
-        rows.append([f"at {n} tokens{counts(n)}"])
-        rows += [[f"  {t}", *(score(c, ev["tasks"][c].get(t, {}).get(str(n)), n, t) for c in ckpts)] for t in tasks]
-        rows.append(["  mean", *(score(c, means[c].get(n), n) for c in ckpts)])
-        verdicts = ev.get("verdicts", {})
-        if verdicts:
-            rows.append(["  vs base", *(verdict(verdicts[c]["base"]["all"].get(str(n))) if c in verdicts else ""
-                                        for c in ckpts)])
-
-    def ppl(table: dict, ckpt: str) -> str:
-        by = table.get(ckpt, {})
-        top = max(ev["ppl_by_length"].get(ckpt, {}), key=int, default=None)
-        return f"{by[top]:.1f}" if top in by else "n/a"
-
-    tops = {max(by, key=int) for by in ev["ppl_by_length"].values() if by}
-    at = f"{tops.pop()} tokens" if len(tops) == 1 else "the longest length"
-    rows += [["perplexity"], [f"  at {at}", *(ppl(ev["ppl_by_length"], c) for c in ckpts)],
-             [f"  needle at {at}", *(ppl(ev["needle_ppl"], c) for c in ckpts)],
-             ["  short context", *(f"{ev['retention_ppl'][c]:.1f}" if c in ev["retention_ppl"] else "n/a"
-                                   for c in ckpts)]]
-    width = [max(len(r[i]) for r in rows if len(r) > i) for i in range(len(ckpts) + 1)]
-    table = "\n".join("  ".join([r[0].ljust(width[0]), *(c.rjust(w) for c, w in zip(r[1:], width[1:], strict=False))])
-                       .rstrip() for r in rows)  # (a block's heading row has one cell)
-    if any(beyond(windows, c, n) for c in ev["tasks"] for n in lengths):
-        table += f"\n{BEYOND} beyond the checkpoint's window (the length it was trained to)"
-    longest = lengths[-1] if lengths else None
-    top = ev.get("best", {}).get(str(longest))
-    if top is None:
-        return table
-    if all(v["wins"] == v["losses"] == 0 for v in top["against"].values()):
-        return table + (f"\nat {longest} tokens every checkpoint scores {top['mean']:.2f}, alike on every prompt: "
-                        "the tasks do not tell them apart")
-    if top["supported"]:
-        return table + (f"\nbest at {longest} tokens: {top['checkpoint']} (mean over its prompts {top['mean']:.2f}; "
-                        "better than every other checkpoint on the same prompts at 95%)")
-    ties = [c for c, v in top["against"].items() if v["verdict"] != "better"]
-    return table + (f"\nat {longest} tokens no checkpoint is best at 95%: {top['checkpoint']} scores highest "
-                    f"({top['mean']:.2f} over its prompts) but is not better than {', '.join(ties)} on the same "
-                    "prompts")
-
-
-def verdict(v: dict | None) -> str:
-    """A paired verdict in a table cell: `better 12-3` (prompts won and lost)."""
-    if v is None:
-        return "-"
-    return f"{'no diff.' if v['verdict'] == 'no difference' else v['verdict']} {v['wins']}-{v['losses']}"
 
 
 def main() -> None:

@@ -35,6 +35,7 @@ from longctx.config import load
 from longctx.errors import LongctxError
 from longctx.eval.plots import family_figure
 from longctx.eval.report import length_means, score_rows
+from longctx.eval.summary import summary
 from longctx.eval.tasks import family
 from longctx.tracking import PARENT_ENV, end_run, open_run, tag_children, tracking_uri
 
@@ -263,12 +264,15 @@ def _transient(state) -> bool:
 
 
 def headline(evaluated: dict | None) -> dict[str, float]:
-    """The parent run's metrics, section `results`: each checkpoint's mean task score and
-    perplexity at each length (from this run's eval, when it ran)."""
+    """The parent run's metrics, section `results`: each checkpoint's mean task score (with the
+    prompts behind it and its 95% interval: `.n`, `.lo`, `.hi`) and perplexity at each length
+    (from this run's eval, when it ran)."""
     if not evaluated or "tasks" not in evaluated:
         return {}
     _, means = length_means(evaluated["tasks"])
     out = {f"results/{c}.tasks_at_{n}": v for c, by in means.items() for n, v in by.items()}
+    out |= {f"results/{c}.tasks_at_{n}.{k}": cell[k] for c, by in evaluated.get("means", {}).items()
+            for n, cell in by.items() for k in ("n", "lo", "hi")}
     out |= {f"results/{c}.ppl_at_{n}": v for c, by in evaluated.get("ppl_by_length", {}).items()
             for n, v in by.items()}
     return out
@@ -279,8 +283,8 @@ def comparison_view(evaluated: dict | None) -> dict:
     as an MLflow table, and the scores by task family against length as one figure."""
     if not evaluated or not evaluated.get("tasks"):
         return {}
-    rows = score_rows(evaluated["tasks"])
-    table = {key: [r[key] for r in rows] for key in ("checkpoint", "task", "length", "score")}
+    rows = score_rows(evaluated["tasks"], evaluated.get("cells"))
+    table = {key: [r.get(key) for r in rows] for key in ("checkpoint", "task", "length", "score", "n", "lo", "hi")}
     table["family"] = [family(r["task"]) for r in rows]
     windows = evaluated.get("windows", {})
     return {"tables": {"results/scores.json": table},
@@ -324,8 +328,9 @@ def pipeline(workspace: str = ".", stages: list[str] | None = None) -> dict[str,
                 get_run_logger().info(hint)
         finally:
             evaluated = results.get("eval")
+            note = f"```\n{summary(ws)}\n```" if evaluated and (ws / "metrics" / "eval.json").is_file() else None
             end_run(tracking, ws, parent, ok=len(results) == len(chosen), metrics=headline(evaluated),
-                    **comparison_view(evaluated))
+                    description=note, **comparison_view(evaluated))
             create_markdown_artifact(_summary(results), key="longctx-stages",
                                      description=f"stage metrics of {ws}")
     return results

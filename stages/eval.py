@@ -84,13 +84,15 @@ def run(cfg: Params, root: Path) -> None:
                                          windows[name], short, built)
             rows_all += rows
             position_rows += curve
-            _, means = report.length_means({name: results["tasks"][name]})  # as it comes: a run cut short keeps it
-            scores = ", ".join(f"{v:.2f} at {n}" for n, v in sorted(means[name].items()))
+            means = results["means"][name]  # as it comes: a run cut short keeps it
+            scores = ", ".join(f"{m['mean']:.2f} [{m['lo']:.2f}-{m['hi']:.2f}] at {n} (n = {m['n']})"
+                               for n, m in means.items())
             print(f"eval {name}: mean task score {scores}", flush=True)
             speed = results["throughput"][name]
             tracker.metrics({f"{name}.{t}.{n}": v for t, by in results["tasks"][name].items() for n, v in by.items()})
             tracker.metrics({f"{name}.{t}.{n}.{k}": cell[k] for t, by in results["cells"][name].items()
                              for n, cell in by.items() for k in ("n", "lo", "hi")})
+            tracker.metrics({f"{name}.mean.{n}.{k}": m[k] for n, m in means.items() for k in ("mean", "n", "lo", "hi")})
             tracker.metrics({f"{name}.{k}": speed[k] for k in ("prompts_per_s", "tokens_per_s")})
             if windows[name].length is not None:  # scores at lengths above it were measured beyond the window
                 tracker.metrics({f"{name}.window": windows[name].length})
@@ -116,11 +118,11 @@ def write_outputs(results: dict, rows: list[dict], position_rows: list[dict]) ->
     METRICS.mkdir(exist_ok=True)
     write_json(METRICS / "eval.json", results)
     PLOT_DIR.mkdir(parents=True, exist_ok=True)
-    write_csv(PLOT_DIR / "scores.csv", report.score_rows(results["tasks"]))
+    write_csv(PLOT_DIR / "scores.csv", report.score_rows(results["tasks"], results["cells"]))
     write_csv(PLOT_DIR / "position_loss.csv", position_rows)
     from longctx.eval.plots import niah_heatmap, position_loss, score_vs_length
 
-    score_vs_length(results["tasks"], PLOT_DIR / "score_vs_length.png", results["windows"])
+    score_vs_length(results["tasks"], PLOT_DIR / "score_vs_length.png", results["windows"], results["means"])
     position_loss(position_rows, PLOT_DIR / "position_loss.png")
     niah_heatmap(rows, PLOT_DIR / "niah_heatmap.png", results["windows"])
 

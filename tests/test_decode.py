@@ -66,8 +66,11 @@ def test_the_cache_grows_in_place_and_keeps_every_row():
     for i, rows in enumerate((slice(0, 300), slice(300, 600))):
         assert torch.equal(cache.k[i, :300], k[rows]) and torch.equal(cache.v[i, :300], v[rows])
         torch.testing.assert_close(cache.lam[i, :300], log_f[rows].cumsum(0))
-    cache.keep(torch.tensor([1]))
+    cache.keep([1])
     assert cache.lengths == [300] and torch.equal(cache.k[0, :300], k[300:])
+    sized = LayerCache(docs=1, reserve=7)  # a prompt and its answer's rows: no doubling for the answer
+    sized.attend(torch.randn(300, 4, 8), k[:300], v[:300], None, [0, 300])
+    assert sized.k.shape[1] == 307
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -116,12 +119,34 @@ def test_decode_kernel_matches_float64(t, h, hk, d):
         assert ((got.double().cpu() - want).norm() / want.norm()) <= (1e-2 if dev == "cuda" else 1e-5), decay
 
 
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+def test_decode_kernel_batched_reads_each_documents_own_length():
+    """One launch for three documents of a padded cache (lengths 1, 130, 300 of 320 rows; garbage
+    past each length): each gets what it gets alone, with and without the decay."""
+    from longctx.model.fox.decode import decode_attention
+
+    dev, dtype = ("cuda", torch.bfloat16) if torch.cuda.is_available() else ("cpu", torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    b, h, hk, d, cap = 3, 4, 2, 32, 320
+    lengths = [1, 130, 300]
+    q = torch.randn(b, h, d, generator=gen).to(dev, dtype)
+    k, v = (torch.randn(b, cap, hk, d, generator=gen).to(dev, dtype) * 3 for _ in range(2))
+    lam = torch.randn(b, cap, h, generator=gen).sigmoid().log().cumsum(1).to(dev)
+    lam_q = torch.stack([lam[i, n - 1] for i, n in enumerate(lengths)])
+    for decay in (False, True):
+        extra = (lam_q, lam) if decay else ()
+        got = decode_attention(q, k, v, *extra, lengths=torch.tensor(lengths, device=dev))
+        for i, n in enumerate(lengths):
+            alone = decode_attention(q[i], k[i, :n], v[i, :n], *((lam_q[i], lam[i, :n]) if decay else ()))
+            assert torch.allclose(got[i].float(), alone.float(), atol=1e-2 if dev == "cuda" else 1e-5), (decay, n)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name", ["llama", "fox_pro"])
 def test_prompts_decoded_together_on_cuda_get_what_each_gets_alone(name):
     """On CUDA: the packed prefill through a backend (PyTorch's SDPA, the FoX kernel) and the
-    decode kernel per document, fp32 weights: the tokens of one prompt at a time."""
+    decode kernel for all documents at once, fp32 weights: the tokens of one prompt at a time."""
     torch.manual_seed(3)
     cfg = CONFIGS[name].model_copy(update={"vocab_size": 512, "d_model": 128, "n_heads": 4, "n_kv_heads": 2,
                                            "max_position_embeddings": 4096})

@@ -33,7 +33,8 @@ def test_every_stage_runs_through_dvc_and_is_tracked(finished):
     for stage in STAGES:
         assert f"Running stage '{stage}'" in out
     for ckpt in ("base", "pretrain_stage1", "pretrain_stage2", "sft"):  # each checkpoint's scores as they come
-        assert re.search(rf"eval {ckpt}: mean task score \d\.\d\d at 256, \d\.\d\d at 512", out), ckpt
+        assert re.search(rf"eval {ckpt}: mean task score \d\.\d\d \[\d\.\d\d-\d\.\d\d\] at 256 \(n = \d+\), "
+                         r"\d\.\d\d \[\d\.\d\d-\d\.\d\d\] at 512 \(n = \d+\)", out), ckpt
     assert (ws / "data/packed/stage1/train/tokens.bin").stat().st_size > 0
     assert json.loads((ws / "metrics/pack.json").read_text())["stage1.train"]["sequences"] > 0
     assert (ws / "plots/length_hist.png").stat().st_size > 10_000
@@ -100,7 +101,8 @@ def test_every_stage_runs_through_dvc_and_is_tracked(finished):
     assert set(ev["tasks"]) == ckpts and len(ev["tasks"]["sft"]) == 11
     assert set(ev["tasks"]["base"]["niah_single_noise"]) == {"256", "512"} and ev["windows"]["base"] == 256
     assert not [s for s in ev["skipped"] if "window" in s.get("reason", "")]
-    assert re.search(r"\| base \| [0-9.]+ \| [0-9.]+\* \|", (ws / "reports/eval/comparison.md").read_text())
+    score = r"[0-9.]+ \[[0-9.]+-[0-9.]+\] \(\d+\)"  # mean [95% interval] (prompts)
+    assert re.search(rf"\| base \| {score} \| {score}\* \|", (ws / "reports/eval/comparison.md").read_text())
     assert any(s["task"] == "helmet:nq" and "cannot load" in s["reason"] for s in ev["skipped"] if "task" in s)
     assert all(0 <= v <= 1 for by in ev["tasks"].values() for t in by.values() for v in t.values())
     assert set(ev["retention_ppl"]) == ckpts and all(v > 1 for v in ev["retention_ppl"].values())

@@ -55,6 +55,8 @@ def test_score_tables_read_memory_and_json_alike():
     assert report.comparison(results).splitlines() == [
         "| checkpoint | tasks@256 | tasks@512 | retention ppl |", "|---|---|---|---|",
         "| base | 0.500 | 0.375 | 12.50 |", "| sft | 0.500 | skipped | n/a |"]
+    results["means"] = {"base": {"256": {"mean": 0.5, "n": 20, "lo": 0.3, "hi": 0.7}}}  # as read back from JSON
+    assert report.comparison(results).splitlines()[2] == "| base | 0.50 [0.30-0.70] (20) | 0.375 | 12.50 |"
 
 
 def test_mean_scores_average_the_prompts_of_a_task_at_a_length():

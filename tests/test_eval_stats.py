@@ -44,3 +44,23 @@ def test_verdicts_pair_each_checkpoint_with_the_base_and_the_one_before():
     assert v["sft"]["previous"]["vs"] == "stage1" and v["sft"]["previous"]["all"][512]["verdict"] == "no difference"
     best = report.best(all_rows, ["base", "stage1", "sft"])[512]
     assert best["checkpoint"] == "stage1" and not best["supported"]  # sft answered alike: no single best
+
+
+def test_a_mean_over_tasks_has_an_interval_that_holds_it_even_where_every_task_is_certain():
+    # every prompt of one task right, every prompt of the other wrong: a resampling of prompts would
+    # say 0.50 exactly; Wilson over the 20 prompts
+    assert stats.mean_interval([[1.0] * 10, [0.0] * 10]) == stats.wilson(10, 20)
+    assert stats.mean_interval([[1.0] * 5 + [0.0] * 5]) == stats.wilson(5, 10)  # one task: its own interval
+    lo, hi = stats.mean_interval([[0.0] * 4] * 11)  # nothing right: the interval starts at the score
+    assert lo == 0.0 and 0.05 < hi < 0.1
+    g_lo, g_hi = stats.mean_interval([[0.2, 0.4, 0.6] * 10, [1.0] * 30])  # graded and 0/1 together
+    assert g_lo < 0.7 < g_hi and g_hi - g_lo < 0.2
+    # graded beside certain-looking cells (every prompt alike): the certain ones still add their spread
+    c_lo, c_hi = stats.mean_interval([[0.5] * 16, [1.0] * 16, [0.0] * 16])
+    assert c_lo < 0.47 and c_hi > 0.53
+    u_lo, u_hi = stats.mean_interval([[1.0] * 30, [1.0] * 5 + [0.0] * 5])  # unequal counts: the mean over tasks
+    assert u_lo < 0.75 < u_hi
+    cells = report.length_cells([{"task": t, "length": 512, "score": s}
+                                 for t, scores in (("a", [1.0] * 10), ("b", [0.0] * 10)) for s in scores])
+    assert cells[512] == {"mean": 0.5, "n": 20, "lo": round(stats.wilson(10, 20)[0], 4),
+                          "hi": round(stats.wilson(10, 20)[1], 4)}

@@ -118,6 +118,7 @@ def _eval_json(folder, prompts: dict) -> None:
             for (t, n), scores in cells.items() for s in scores]
     ev = {"tasks": {c: report.mean_scores([r for r in rows if r["checkpoint"] == c]) for c in prompts},
           "cells": {c: report.cells([r for r in rows if r["checkpoint"] == c]) for c in prompts},
+          "means": {c: report.length_cells([r for r in rows if r["checkpoint"] == c]) for c in prompts},
           "verdicts": report.verdicts(rows, list(prompts)), "best": report.best(rows, list(prompts)),
           "ppl_by_length": {"base": {"512": 20.0, "2048": 90.0}, "pretrain_stage2": {"512": 19.0, "2048": 25.0}},
           "needle_ppl": {"base": {"2048": 40.0}}, "retention_ppl": {"base": 21.5},
@@ -127,7 +128,7 @@ def _eval_json(folder, prompts: dict) -> None:
 
 
 def test_the_final_table_shows_every_task_at_every_length_and_names_the_best(tmp_path):
-    from pipelines.__main__ import summary
+    from longctx.eval.summary import summary
 
     base = {("passkey", 512): [1.0] * 10, ("kv", 512): [1.0] * 5 + [0.0] * 5,
             ("passkey", 2048): [0.0] * 10, ("kv", 2048): [0.0] * 10}
@@ -138,20 +139,20 @@ def test_the_final_table_shows_every_task_at_every_length_and_names_the_best(tmp
         ["base", "pretrain_stage2"],
         ["at", "512", "tokens", "(n", "=", "10", "prompts", "a", "task;", "95%", "intervals)"],
         ["kv", "0.50", "[0.24-0.76]", "0.50", "[0.24-0.76]"], ["passkey", "1.00", "[0.72-1.00]", "1.00", "[0.72-1.00]"],
-        ["mean", "0.75", "0.75"], ["vs", "base", "no", "diff.", "0-0"],
+        ["mean", "0.75", "[0.53-0.89]", "0.75", "[0.53-0.89]"], ["vs", "base", "no", "diff.", "0-0"],
         ["at", "2048", "tokens", "(n", "=", "10", "prompts", "a", "task;", "95%", "intervals)"],
         ["kv", "0.00", "[0.00-0.28]*", "0.30", "[0.11-0.60]"],
         ["passkey", "0.00", "[0.00-0.28]*", "0.90", "[0.60-0.98]"],
-        ["mean", "0.00*", "0.60"], ["vs", "base", "better", "12-0"],
+        ["mean", "0.00", "[0.00-0.16]*", "0.60", "[0.39-0.78]"], ["vs", "base", "better", "12-0"],
         ["perplexity"], ["at", "2048", "tokens", "90.0", "25.0"], ["needle", "at", "2048", "tokens", "40.0", "n/a"],
         ["short", "context", "21.5", "n/a"],
         ["*", "beyond", "the", "checkpoint's", "window", "(the", "length", "it", "was", "trained", "to)"],
-        ["best", "at", "2048", "tokens:", "pretrain_stage2", "(mean", "over", "its", "prompts", "0.60;", "better",
+        ["best", "at", "2048", "tokens:", "pretrain_stage2", "(mean", "task", "score", "0.60;", "better",
          "than", "every", "other", "checkpoint", "on", "the", "same", "prompts", "at", "95%)"]]
     # a lead too small for its prompts: named as the highest, not as the best
     _eval_json(tmp_path, {"base": base, "pretrain_stage2": {**base, ("kv", 2048): [1.0] * 2 + [0.0] * 8}})
     assert summary(tmp_path).splitlines()[-1] == (
-        "at 2048 tokens no checkpoint is best at 95%: pretrain_stage2 scores highest (0.10 over its prompts) but is "
+        "at 2048 tokens no checkpoint is best at 95%: pretrain_stage2 scores highest (0.10) but is "
         "not better than base on the same prompts")
     _eval_json(tmp_path, {"base": base, "pretrain_stage2": base})
     last = summary(tmp_path).splitlines()[-1]
@@ -165,6 +166,10 @@ def test_the_parent_run_gets_the_headline_results():
     assert flows.headline(ev) == {"results/base.tasks_at_512": 0.75, "results/base.tasks_at_2048": 0.0,
                                   "results/base.ppl_at_512": 20.0, "results/base.ppl_at_2048": 90.0}
     assert flows.headline(None) == {} and flows.headline({"skipped": True}) == {}
+    ev["means"] = {"base": {"512": {"mean": 0.75, "n": 20, "lo": 0.57, "hi": 0.88}}}
+    assert {k: v for k, v in flows.headline(ev).items() if "512" in k and "tasks" in k} == {
+        "results/base.tasks_at_512": 0.75, "results/base.tasks_at_512.n": 20, "results/base.tasks_at_512.lo": 0.57,
+        "results/base.tasks_at_512.hi": 0.88}
 
 
 def test_the_closing_lines_serve_the_store_and_open_the_runs_table(tmp_path):

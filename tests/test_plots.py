@@ -5,6 +5,7 @@ when the searched factors are a baseline's."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from longctx.eval.plots import family_figure, niah_figure, niah_heatmap, position_figure, score_figure
 from longctx.ropesearch.compare import SEARCHED, factors_figure
@@ -14,7 +15,8 @@ from longctx.ropesearch.space import Space
 def test_niah_grid_has_values_and_a_colour_scale(tmp_path):
     rows = [{"task": "niah_single_noise", "checkpoint": c, "length": n, "depth": d, "score": s}
             for c, s0 in (("base", 0.0), ("pretrain", 0.5)) for n in (512, 2048) for d, s in ((0.1, s0), (0.9, 1.0))]
-    rows.append({"task": "niah_single_noise", "checkpoint": "base", "length": 4096, "depth": 0.1, "score": 0.25})
+    rows += [{"task": "niah_single_noise", "checkpoint": "base", "length": 4096, "depth": 0.1, "score": s}
+             for s in (0.0, 0.5)]  # two prompts of one cell: their mean
     fig = niah_figure(rows)
     panels, bar = fig.axes[:2], fig.axes[2:]
     assert len(bar) == 1 and bar[0].get_ylabel() == "score"
@@ -103,3 +105,14 @@ def test_the_niah_grid_names_its_task_and_wraps_many_checkpoints():
     panels = [ax for ax in fig.axes if ax.get_title()]
     assert len(panels) == 4 and "niah_single_noise" in fig.get_suptitle()
     assert len({round(ax.get_position().y0, 2) for ax in panels}) == 2  # two rows of two, not one long strip
+
+
+def test_score_points_carry_their_intervals_as_bars():
+    scores = {"base": {"task_a": {"512": 0.5, "2048": 0.25}}, "sft": {"task_a": {"512": 1.0, "2048": 0.75}}}
+    spread = {"base": {"512": {"lo": 0.3, "hi": 0.7}, "2048": {"lo": 0.1, "hi": 0.5}}}
+    ax = score_figure(scores, spread=spread).axes[0]
+    bars = [c for c in ax.collections if len(c.get_segments()) == 2]
+    assert len(bars) == 1  # base's two points; sft has no interval to draw
+    (_, lo, _, hi), (_, lo2, _, hi2) = (np.ravel(seg) for seg in bars[0].get_segments())
+    assert (lo, hi, lo2, hi2) == pytest.approx((0.3, 0.7, 0.1, 0.5))
+    assert "95% intervals" in ax.get_title()

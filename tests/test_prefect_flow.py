@@ -81,11 +81,15 @@ def test_failure_then_resume_and_mlflow_parent_runs(small_run, tmp_path, monkeyp
     assert {"results/scores.json", "results/score_by_family.png"} <= {
         a.path for a in client.list_artifacts(parent_id, "results")}
     table = json.loads(Path(client.download_artifacts(parent_id, "results/scores.json")).read_text())
-    assert table["columns"] == ["checkpoint", "task", "length", "score", "family"]
+    assert table["columns"] == ["checkpoint", "task", "length", "score", "n", "lo", "hi", "family"]
     scored = {(c, t, int(n)): v for c, by in results["eval"]["tasks"].items() for t, at in by.items()
               for n, v in at.items()}
-    assert {(c, t, n): v for c, t, n, v, _ in table["data"]} == scored
+    assert {(c, t, n): v for c, t, n, v, *_ in table["data"]} == scored
+    assert all(lo <= v <= hi and k >= 1 for _, _, _, v, k, lo, hi, _ in table["data"])
     assert {f for *_, f in table["data"]} >= {"retrieval (passkey, NIAH)"}
+    # the run page opens on the final table the main command prints (MLflow shows the description first)
+    note = parents[0].data.tags["mlflow.note.content"]
+    assert "prompts a task; 95% intervals" in note and "vs base" in note and note.startswith("```")
     assert children(client, parents[0]) == {"eval": "FINISHED"}  # DVC skipped the finished stages
     assert os.path.isfile(ws / "metrics/eval.json")
 

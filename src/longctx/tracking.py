@@ -325,15 +325,18 @@ def _log_figure(log: Callable[[Any], None], make: Callable[[], Any]) -> None:
 
 def end_run(cfg: TrackingParams, root: Path, run_id: str | None, ok: bool, text: dict[str, str] | None = None,
             metrics: dict[str, float] | None = None, tables: dict[str, dict[str, list]] | None = None,
-            figures: dict[str, Callable[[], Any]] | None = None) -> None:
+            figures: dict[str, Callable[[], Any]] | None = None, description: str | None = None) -> None:
     """Close a run from `open_run`, FINISHED or FAILED, with `text` files (name: content) attached,
     `metrics` logged (keys as given: the caller names their section), `tables` (name: columns, shown
-    as tables in MLflow's artifact view) and `figures` (name: a function that builds one)."""
+    as tables in MLflow's artifact view), `figures` (name: a function that builds one) and a
+    `description` (Markdown: the first thing MLflow's run page shows)."""
     if run_id is None:
         return
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri(cfg, root))
+    if description:
+        client.set_tag(run_id, "mlflow.note.content", description)
     for name, content in (text or {}).items():
         client.log_text(run_id, content, name)
     for key, value in (metrics or {}).items():

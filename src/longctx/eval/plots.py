@@ -14,16 +14,18 @@ MARKERS = "osD^vP*X"
 
 
 def score_vs_length(scores: dict[str, dict[str, dict[int, float]]], path: Path,
-                    windows: dict[str, int | None] | None = None) -> None:
+                    windows: dict[str, int | None] | None = None, spread: dict | None = None) -> None:
     """Mean score over tasks against context length, one line per checkpoint (`score_lines`;
-    `windows`: checkpoint -> trained length)."""
-    save(score_figure(scores, windows), path)
+    `windows`: checkpoint -> trained length; `spread`: the results' `means`, drawn as 95% bars)."""
+    save(score_figure(scores, windows, spread), path)
 
 
-def score_figure(scores: dict[str, dict[str, dict[int, float]]], windows: dict[str, int | None] | None = None):
+def score_figure(scores: dict[str, dict[str, dict[int, float]]], windows: dict[str, int | None] | None = None,
+                 spread: dict | None = None):
     fig, ax = pyplot().subplots(figsize=(7, 4.2))
-    score_lines(ax, scores, windows or {})
-    labels(ax, "context length (tokens)", "mean task score", "Long-context tasks against length")
+    score_lines(ax, scores, windows or {}, spread)
+    title = "Long-context tasks against length" + (" (bars: 95% intervals over prompts)" if spread else "")
+    labels(ax, "context length (tokens)", "mean task score", title)
     return fig
 
 
@@ -45,11 +47,13 @@ def family_figure(scores: dict[str, dict[str, dict[int, float]]], windows: dict[
     return fig
 
 
-def score_lines(ax, scores: dict[str, dict[str, dict[int, float]]], windows: dict[str, int | None]) -> None:
+def score_lines(ax, scores: dict[str, dict[str, dict[int, float]]], windows: dict[str, int | None],
+                spread: dict | None = None) -> None:
     """Mean score over the given tasks against length (log2 axis), one line per checkpoint. Lines
     that would lie on top of each other stay visible: each checkpoint has its own marker and a small
     sideways offset, and a checkpoint whose scores equal an earlier one's says so in the legend.
-    Scores beyond a checkpoint's window have hollow markers. Lengths may be JSON's strings."""
+    Scores beyond a checkpoint's window have hollow markers; `spread` (checkpoint -> length ->
+    {lo, hi}) adds each point's interval as a bar. Lengths may be JSON's strings."""
     seen: dict[tuple, str] = {}
     hollow = False
     for i, (ckpt, by_task) in enumerate(scores.items()):
@@ -62,6 +66,12 @@ def score_lines(ax, scores: dict[str, dict[str, dict[int, float]]], windows: dic
         shift = 2 ** (0.04 * (i - (len(scores) - 1) / 2))  # x is log2: a constant ratio is a constant offset
         marker = MARKERS[i % len(MARKERS)]
         (line,) = ax.plot([n * shift for n in lengths], means, marker=marker, alpha=0.85, label=label)
+        bars = {int(n): v for n, v in (spread or {}).get(ckpt, {}).items()}
+        if at := [(n * shift, m, bars[n]) for n, m in zip(lengths, means, strict=True) if n in bars]:
+            x, y, cell = zip(*at, strict=True)
+            ax.errorbar(x, y, yerr=[[max(0.0, m - c["lo"]) for m, c in zip(y, cell, strict=True)],
+                                    [max(0.0, c["hi"] - m) for m, c in zip(y, cell, strict=True)]],
+                        linestyle="none", color=line.get_color(), capsize=3, alpha=0.6)
         out = [(n * shift, m) for n, m in zip(lengths, means, strict=True) if beyond(windows, ckpt, n)]
         if out:
             hollow = True
@@ -93,7 +103,7 @@ def position_figure(rows: list[dict], train_len: int | None = None):
 
 def niah_heatmap(rows: list[dict], path: Path, windows: dict[str, int | None] | None = None) -> None:
     """Single-needle (noise haystack) score by depth x length, one panel per checkpoint, each
-    cell's score written in it (with a * beyond the checkpoint's window) and the colour scale
+    cell's mean score over its prompts written in it (with a * beyond the checkpoint's window) and the colour scale
     beside the panels."""
     save(niah_figure(rows, windows), path)
 
@@ -110,10 +120,13 @@ def niah_figure(rows: list[dict], windows: dict[str, int | None] | None = None):
     depths = sorted({r["depth"] for r in cells})
     image = None
     for ax, ckpt in zip(axes.flat, ckpts, strict=False):
-        grid = np.full((len(depths), len(lengths)), np.nan)
+        total, count = np.zeros((len(depths), len(lengths))), np.zeros((len(depths), len(lengths)))
         for r in cells:
             if r["checkpoint"] == ckpt:
-                grid[depths.index(r["depth"]), lengths.index(r["length"])] = r["score"]
+                at = depths.index(r["depth"]), lengths.index(r["length"])
+                total[at] += r["score"]
+                count[at] += 1
+        grid = np.where(count > 0, total / np.maximum(count, 1), np.nan)
         image = ax.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
         for (y, x), v in np.ndenumerate(grid):
             mark = BEYOND if beyond(windows, ckpt, lengths[x]) else ""

@@ -12,7 +12,7 @@ from . import stats
 def empty_results() -> dict:
     """The sections every checkpoint's measurements go into; what cannot be computed says why."""
     return {"tasks": {}, "throughput": {}, "position_loss": {}, "ppl_by_length": {}, "needle_ppl": {},
-            "retention_ppl": {}, "skipped": [], "windows": {}, "cells": {}, "verdicts": {}, "best": {},
+            "retention_ppl": {}, "skipped": [], "windows": {}, "cells": {}, "means": {}, "verdicts": {}, "best": {},
             "not_computed": {"helmet_gpt4o_judged": "GPT-4o-judged metrics (HELMET summarization, QA "
                                                     "judge) need an external API; not computed"}}
 
@@ -43,19 +43,36 @@ def cells(rows: list[dict]) -> dict[str, dict[int, dict]]:
     return out
 
 
+def length_cells(rows: list[dict]) -> dict[int, dict]:
+    """Length -> the mean task score over the tasks at that length, the prompts behind it and its
+    95% interval (each task's prompts resampled within the task; the `means` section of one
+    checkpoint)."""
+    by_length: dict[int, list[list[float]]] = {}
+    for (_, n), scores in _by_cell(rows).items():
+        by_length.setdefault(n, []).append(scores)
+    out = {}
+    for n, groups in sorted(by_length.items()):
+        lo, hi = stats.mean_interval(groups)
+        out[n] = {"mean": round(float(np.mean([np.mean(g) for g in groups])), 4), "n": sum(map(len, groups)),
+                  "lo": round(lo, 4), "hi": round(hi, 4)}
+    return out
+
+
+def _pooled(new: list[dict], old: list[dict], n: int) -> dict:
+    """`new` against `old` over every prompt of length n both answered, task by task in order."""
+    a, b = _by_cell(new), _by_cell(old)
+    cells = sorted(c for c in set(a) & set(b) if c[1] == n)
+    return stats.paired([s for c in cells for s in a[c]], [s for c in cells for s in b[c]])
+
+
 def _paired(new: list[dict], old: list[dict]) -> dict:
     """Per task and length, and over every prompt of a length ("all"), `new` against `old` on
     the prompts both answered (the same prompts: the eval builds them once)."""
     a, b = _by_cell(new), _by_cell(old)
-    out: dict = {"all": {}}
-    pooled: dict[int, tuple[list[float], list[float]]] = {}
-    for (task, n) in sorted(set(a) & set(b)):
+    shared = sorted(set(a) & set(b))
+    out: dict = {"all": {n: _pooled(new, old, n) for n in sorted({n for _, n in shared})}}
+    for (task, n) in shared:
         out.setdefault(task, {})[n] = stats.paired(a[task, n], b[task, n])
-        mine, theirs = pooled.setdefault(n, ([], []))
-        mine += a[task, n]
-        theirs += b[task, n]
-    for n, (mine, theirs) in sorted(pooled.items()):
-        out["all"][n] = stats.paired(mine, theirs)
     return out
 
 
@@ -72,7 +89,7 @@ def verdicts(rows: list[dict], order: list[str]) -> dict:
 
 
 def best(rows: list[dict], order: list[str]) -> dict:
-    """Per length: the checkpoint with the highest mean over every prompt, and its paired verdict
+    """Per length: the checkpoint with the highest mean task score, and its paired verdict
     against each other checkpoint there; `supported` when it is better than every one at 95%
     (the `best` section: the main command names a best checkpoint only then)."""
     out = {}
@@ -80,19 +97,24 @@ def best(rows: list[dict], order: list[str]) -> dict:
     for n in lengths:
         at = {c: [r for r in rows if r["checkpoint"] == c and int(r["length"]) == n] for c in order}
         at = {c: v for c, v in at.items() if v}
-        means = {c: float(np.mean([r["score"] for r in v])) for c, v in at.items()}
+        means = {c: length_cells(v)[n]["mean"] for c, v in at.items()}
         leader = max(means, key=means.get)
-        against = {c: _paired(at[leader], at[c])["all"][n] for c in at if c != leader}
+        against = {c: _pooled(at[leader], at[c], n) for c in at if c != leader}
         out[n] = {"checkpoint": leader, "mean": round(means[leader], 4), "against": against,
                   "supported": bool(against) and all(v["verdict"] == "better" for v in against.values())}
     return out
 
 
-def score_rows(tasks: dict) -> list[dict]:
+def score_rows(tasks: dict, cells: dict | None = None) -> list[dict]:
     """The `tasks` section (checkpoint -> task -> length -> score; lengths are strings once read
-    back from JSON) as one row per checkpoint, task and length: the per-length score table."""
-    return [{"checkpoint": c, "task": t, "length": int(n), "score": v}
+    back from JSON) as one row per checkpoint, task and length: the per-length score table; with
+    the `cells` section, each row has its prompts and 95% interval (n, lo, hi) too."""
+    rows = [{"checkpoint": c, "task": t, "length": int(n), "score": v}
             for c, by_task in tasks.items() for t, by in by_task.items() for n, v in by.items()]
+    for r in rows if cells else ():
+        by = cells.get(r["checkpoint"], {}).get(r["task"], {})
+        r |= by.get(r["length"], by.get(str(r["length"]), {}))
+    return rows
 
 
 BEYOND = "*"
@@ -118,15 +140,24 @@ def length_means(tasks: dict) -> tuple[list[int], dict[str, dict[int, float]]]:
 
 
 def comparison(results: dict) -> str:
-    """A Markdown table: each checkpoint's mean task score per length and retention (no
-    throughput: the file is a DVC output, and a rerun must write the same bytes)."""
+    """A Markdown table: each checkpoint's mean task score per length, with its 95% interval and
+    prompts, and retention (no throughput: the file is a DVC output, and a rerun must write the
+    same bytes); then every task's score, and the verdicts against the base."""
     lengths, means = length_means(results["tasks"])
     head = ["checkpoint", *[f"tasks@{n}" for n in lengths], "retention ppl"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     windows = results.get("windows", {})
-    for c, by_length in means.items():
-        cells = [c, *(f"{by_length[n]:.3f}{BEYOND if beyond(windows, c, n) else ''}" if n in by_length
-                      else "skipped" for n in lengths)]
+    spread = results.get("means", {})
+
+    def mean_text(c: str, n: int) -> str:
+        if n not in means[c]:
+            return "skipped"
+        cell = {int(m): v for m, v in spread.get(c, {}).items()}.get(n)
+        text = interval_text(means[c][n], cell) if cell else f"{means[c][n]:.3f}"
+        return text + (BEYOND if beyond(windows, c, n) else "")
+
+    for c in means:
+        cells = [c, *(mean_text(c, n) for n in lengths)]
         ret = results["retention_ppl"].get(c)
         cells.append(f"{ret:.2f}" if ret else "n/a")
         lines.append("| " + " | ".join(cells) + " |")

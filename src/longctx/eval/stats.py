@@ -2,7 +2,8 @@
 
 A cell's score is the mean over its prompts. Where every prompt scores 0 or 1 (accuracy-type
 metrics) its 95% interval is Wilson's score interval; graded scores (ROUGE-L, NDCG, the fraction
-of keys found) get a percentile bootstrap over prompts. Two checkpoints answered the same prompts,
+of keys found) get a percentile bootstrap over prompts. A mean over tasks combines the tasks'
+intervals (`mean_interval`). Two checkpoints answered the same prompts,
 so they are compared pairwise: an exact two-sided sign test over the prompts where their scores
 differ (McNemar's exact test when scores are 0/1).
 """
@@ -45,6 +46,22 @@ def interval(scores: list[float]) -> tuple[float, float]:
     if all(s in (0.0, 1.0) for s in scores):
         return wilson(int(sum(scores)), len(scores))
     return bootstrap(scores)
+
+
+def mean_interval(groups: list[list[float]]) -> tuple[float, float]:
+    """The 95% interval of the mean of several cells' mean scores (a length's mean over tasks).
+    0/1 scores in cells of one size: Wilson's over all their prompts (the mean over tasks is then
+    the mean over prompts). Else each cell's own interval read as a normal spread and the spreads
+    combined, clipped to [0, 1]: a resampling of prompts would call a cell whose prompts all
+    scored alike certain (10 right of 10 is 0.72-1 to Wilson, 1-1 to a bootstrap)."""
+    if len(groups) == 1:
+        return interval(groups[0])
+    flat = [s for g in groups for s in g]
+    if len({len(g) for g in groups}) == 1 and all(s in (0.0, 1.0) for s in flat):
+        return wilson(int(sum(flat)), len(flat))
+    mean = float(np.mean([np.mean(g) for g in groups]))
+    half = Z95 * math.sqrt(sum(((hi - lo) / (2 * Z95)) ** 2 for lo, hi in map(interval, groups))) / len(groups)
+    return max(0.0, mean - half), min(1.0, mean + half)
 
 
 def sign_test(wins: int, losses: int) -> float:

@@ -23,7 +23,7 @@ from ..model.loss import IGNORE
 from ..model.transformer import Transformer
 from ..progress import progress
 from . import helmet, needle, tasks
-from .report import cells, mean_scores
+from .report import cells, length_cells, mean_scores
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,8 @@ class Encoder:
 def build_prompts(enc: Encoder, names: list[str], lengths: list[int], samples: int, depths: list[float],
                   seed: int, haystack: str, wrappers: tuple[Encoder, ...] = ()) -> list[tasks.Prompt]:
     """Every task at every length: `samples` prompts each, depths cycling; the single-needle
-    noise task at every depth (the NIAH depth x length grid). The same seed, the same prompts.
+    noise task at least once at every depth (the NIAH depth x length grid). The same seed, the
+    same prompts.
     Each fits the length under `enc` and every one of `wrappers` (the chat template too: then the
     pretrained and the SFT checkpoints read the same texts)."""
     out = []
@@ -61,7 +62,8 @@ def build_prompts(enc: Encoder, names: list[str], lengths: list[int], samples: i
     for length in lengths:
         budget = tasks.Budget(enc.count, length, reserve=wrap + 8)
         for name in names:
-            grid = depths if name == "niah_single_noise" else [depths[i % len(depths)] for i in range(samples)]
+            count = max(samples, len(depths)) if name == "niah_single_noise" else samples
+            grid = [depths[i % len(depths)] for i in range(count)]
             for i, depth in enumerate(grid):
                 rng = np.random.default_rng([seed, length, tasks.TASKS.index(name), i])
                 out.append(tasks.build(name, budget, rng, depth, haystack))
@@ -247,6 +249,7 @@ def evaluate(results: dict, name: str, model: Transformer, folder: Path, enc: En
         r["checkpoint"] = name
     results["tasks"][name] = mean_scores(rows)
     results["cells"][name] = cells(rows)
+    results["means"][name] = length_cells(rows)
     results["throughput"][name] = speed
     curve = perplexities(results, name, model, data, enc.tok, ec)
     if ec.lm_eval_tasks:

@@ -47,7 +47,8 @@ def attend_cached(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lam
 class LayerCache:
     """One layer's keys, values (and FoX gates) of B documents, padded to a shared capacity."""
 
-    def __init__(self, docs: int = 1):
+    def __init__(self, docs: int = 1, reserve: int = 0):
+        self.reserve = reserve  # rows a document will still take after its prompt (its answer's tokens)
         self.k: torch.Tensor | None = None  # [B, capacity, Hkv, D]: rows [b, 0, lengths[b]) are cached
         self.v: torch.Tensor | None = None
         self.lam: torch.Tensor | None = None  # [B, capacity, H] fp32, FoX only
@@ -56,13 +57,14 @@ class LayerCache:
         self.v_before: torch.Tensor | None = None
 
     def _grow(self, end: int, k: torch.Tensor, v: torch.Tensor, lam: torch.Tensor | None) -> None:
-        """Room for `end` rows a document: capacity doubles when full, so a long generation
-        copies the cache O(log T) times instead of once per token. New rows are zeros: the
-        masked padding of shorter documents must not hold NaNs."""
+        """Room for `end` rows a document: the prompt's and the reserved answer's at first, then
+        capacity doubles when full, so a long generation copies the cache O(log T) times instead
+        of once per token (and a 64K prompt's cache is not doubled for its answer's few tokens).
+        New rows are zeros: the masked padding of shorter documents must not hold NaNs."""
         if self.k is not None and end <= self.k.shape[1]:
             return
         old = 0 if self.k is None else self.k.shape[1]
-        capacity = max(end, 2 * old, 256)
+        capacity = max(end + self.reserve, 256) if old == 0 else max(end, 2 * old)
 
         def grown(buf: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
             new = like.new_zeros(len(self.lengths), capacity, *like.shape[1:])
@@ -125,27 +127,25 @@ class LayerCache:
         if q.is_cuda and KERNEL and scale == q.shape[-1] ** -0.5:
             from .fox.decode import decode_attention
 
-            return torch.stack([decode_attention(q[i], keys[i, :n], values[i, :n], *(() if lam is None else
-                                                                                     (lam_new[i], lam[i, :n])))
-                                for i, n in enumerate(self.lengths)])
+            return decode_attention(q, keys, values, lam_new, lam, lengths=torch.tensor(self.lengths, device=q.device))
         q_pos = torch.tensor(self.lengths, device=q.device)[:, None] - 1
         return attend_cached(q[:, None], keys, values, None if lam is None else lam_new[:, None], lam, q_pos,
                              scale)[:, 0]
 
-    def keep(self, rows: torch.Tensor) -> None:
+    def keep(self, rows: list[int]) -> None:
         """Only the documents at these indices, in this order (finished ones leave the batch)."""
         for name in ("k", "v", "lam", "k_before", "v_before"):
             buf = getattr(self, name)
             if buf is not None:
-                setattr(self, name, buf.index_select(0, rows))
-        self.lengths = [self.lengths[i] for i in rows.tolist()]
+                setattr(self, name, buf[rows])
+        self.lengths = [self.lengths[i] for i in rows]
 
 
 class Cache(list):
     """One LayerCache per layer for B documents, and the number of tokens each holds."""
 
-    def __init__(self, n_layers: int, docs: int = 1):
-        super().__init__(LayerCache(docs) for _ in range(n_layers))
+    def __init__(self, n_layers: int, docs: int = 1, reserve: int = 0):
+        super().__init__(LayerCache(docs, reserve) for _ in range(n_layers))
         self.lengths = [0] * docs
         self.frequencies: list[torch.Tensor | None] = [None] * docs
 
@@ -166,10 +166,8 @@ class Cache(list):
         return bounds
 
     def keep(self, rows: list[int]) -> None:
-        index = torch.tensor(rows, dtype=torch.long, device=self[0].k.device if self and self[0].k is not None
-                             else None)
         for layer in self:
-            layer.keep(index)
+            layer.keep(rows)
         self.lengths = [self.lengths[i] for i in rows]
         self.frequencies = [self.frequencies[i] for i in rows]
 
@@ -205,7 +203,8 @@ def generate_batch(model: Transformer, prompts: list[torch.Tensor], max_new_toke
         stale = cache is not None and any(
             f is not None and not torch.equal(f, c) for f, c in zip(freqs, cache.frequencies, strict=True))
         if cache is None or stale:  # prefill (again, with the new frequencies): every active prompt, packed
-            cache = Cache(model.cfg.n_layers, len(active))
+            cache = Cache(model.cfg.n_layers, len(active),
+                          max(max_new_tokens[i] - tokens[i].numel() + prompts[i].numel() for i in active))
             bounds = [0]
             for i in active:
                 bounds.append(bounds[-1] + tokens[i].numel())
