@@ -33,8 +33,9 @@ from prefect.runtime import flow_run
 
 from longctx.config import load
 from longctx.errors import LongctxError
+from longctx.eval import compare
 from longctx.eval.plots import family_figure
-from longctx.eval.report import length_means, score_rows
+from longctx.eval.report import length_means, score_rows, verdict_text
 from longctx.eval.summary import summary
 from longctx.eval.tasks import family
 from longctx.tracking import PARENT_ENV, end_run, open_run, tag_children, tracking_uri
@@ -377,7 +378,8 @@ def _experiments(shown: list[dict]) -> list[dict]:
                 data = rev.get("data") or {}
                 params = (data.get("params") or {}).get("params.yaml", {}).get("data", {})
                 metrics = {f: m.get("data", {}) for f, m in (data.get("metrics") or {}).items()}
-                out.append({"name": rev.get("name") or exp.get("name"), "params": params, "metrics": metrics})
+                out.append({"name": rev.get("name") or exp.get("name"), "rev": rev.get("rev"), "params": params,
+                            "metrics": metrics})
     return out
 
 
@@ -390,23 +392,44 @@ def sweep(workspace: str = ".", grid: dict[str, list] | None = None, jobs: int =
     tracking = load(ws / "params.yaml").tracking
     with workspace_lock(ws):
         exps = queue_and_run(str(ws), grid, jobs, tracking_uri(tracking, ws))
+    table, paired = _sweep_table(ws, grid, exps)
+    create_markdown_artifact(table, key="longctx-sweep", description=f"experiments of {ws}")
+    # the comparison as a run of its own (the experiments' runs carry dvc.experiment tags)
+    run = open_run(tracking, ws, "sweep", f"sweep {flow_run.get_name() or ''}".strip())
+    end_run(tracking, ws, run, ok=True, text={"sweep_comparison.md": table + "\n\n" + paired})
+    return exps
+
+
+def _sweep_table(ws: Path, grid: dict[str, list], exps: list[dict]) -> tuple[str, str]:
+    """The sweep's table (an experiment a row: its grid values, mean eval score, last validation
+    loss, and its last checkpoint paired against the same checkpoint of the committed run, HEAD,
+    on the same prompts) and every checkpoint's paired table beneath it."""
     keys = list(grid)
-    lines = ["| experiment | " + " | ".join(keys) + " | eval mean score | pretrain val loss |",
-             "|---" * (len(keys) + 3) + "|"]
+    base, why = None, ""
+    try:
+        base = compare.prompt_rows(ws, "HEAD")
+    except LongctxError as e:  # HEAD holds no eval run: nothing to pair against
+        why = str(e)
+    lines = ["| experiment | " + " | ".join(keys) + " | eval mean score | pretrain val loss | vs HEAD on the same "
+             "prompts |", "|---" * (len(keys) + 4) + "|"]
+    details = []
     for e in exps:
         values = [str(_lookup(e["params"], k)) for k in keys]
         ev = e["metrics"].get("metrics/eval.json", {}).get("tasks", {})
         scores = [r["score"] for r in score_rows(ev)]
         pre = e["metrics"].get("metrics/pretrain.json", {})
         val = [v.get("val_loss") for v in pre.values() if isinstance(v, dict)]
+        versus = "n/a (HEAD has no eval run)" if base is None else "n/a (no eval run)"
+        if base is not None and e.get("rev"):
+            paired = compare.paired_runs(compare.prompt_rows(ws, e["rev"]), base)
+            if paired:
+                last = list(paired)[-1]
+                versus = f"{last}: " + ", ".join(f"{verdict_text(v)} @{n}" for n, v in paired[last]["all"].items())
+                details.append(compare.table(paired, e["name"], "HEAD"))
         lines.append(f"| {e['name']} | " + " | ".join(values) +
-                     f" | {sum(scores) / len(scores) if scores else float('nan'):.4f} | {val[-1] if val else 'n/a'} |")
-    table = "\n".join(lines)
-    create_markdown_artifact(table, key="longctx-sweep", description=f"experiments of {ws}")
-    # the comparison as a run of its own (the experiments' runs carry dvc.experiment tags)
-    run = open_run(tracking, ws, "sweep", f"sweep {flow_run.get_name() or ''}".strip())
-    end_run(tracking, ws, run, ok=True, text={"sweep_comparison.md": table})
-    return exps
+                     f" | {sum(scores) / len(scores) if scores else float('nan'):.4f} | {val[-1] if val else 'n/a'} "
+                     f"| {versus} |")
+    return "\n".join(lines), "\n".join(details) if base is not None else f"not paired: {why}"
 
 
 def _lookup(tree: dict, dotted: str):

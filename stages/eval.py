@@ -13,7 +13,7 @@ from pathlib import Path
 from longctx.config import Params, flat
 from longctx.data.loader import PackedDataset
 from longctx.data.tokenizer import TextTokenizer
-from longctx.errors import DataError
+from longctx.errors import ConfigError, DataError
 from longctx.eval import needle, report, suite
 from longctx.eval.plots import family_figure
 from longctx.io import atomic_dir, write_json
@@ -60,6 +60,9 @@ def run(cfg: Params, root: Path) -> None:
     """Evaluate every checkpoint with the same prompts."""
     ec = cfg.eval
     ckpts = checkpoints(cfg)
+    if unknown := sorted(set(ec.samples_by_checkpoint) - set(ckpts)):
+        raise ConfigError(f"eval.samples_by_checkpoint: {unknown} name no checkpoint this run evaluates "
+                          f"(it evaluates {list(ckpts)})")
     tok = TextTokenizer.load(TOKENS / "tokenizer")
     windows = suite.windows(ckpts, tok, TOKENS / "tokenizer", ec.lengths)
     data = long_split(cfg)

@@ -3,9 +3,11 @@ an HF export, and bad input stops the stage with a clear error and no outputs.""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from conftest import SMALL, stage_process
+from longctx.config.schema import EvalParams
 from longctx.data.tokenizer import TextTokenizer
 from longctx.eval import suite
 from longctx.model.config import ModelConfig, RopeConfig
@@ -55,6 +57,20 @@ def test_stage_refuses_bad_checkpoints_and_lengths(project_copy):
 
     for n in names:
         save_native(small_model(window=256), project_copy / "models" / n)
+    stranger = stage_process(project_copy, "eval", {**params, "eval": {"samples": 2, "samples_by_checkpoint": {
+        "stage9": 1}}})
+    assert stranger.returncode == 2 and "eval.samples_by_checkpoint: ['stage9'] name no checkpoint" in stranger.stderr
     too_long = stage_process(project_copy, "eval", {**params, "eval": {"lengths": [256, 4096]}})
     assert too_long.returncode == 2 and "eval.lengths: [4096] exceed every checkpoint's window" in too_long.stderr
     assert not (project_copy / "reports").exists() and not (project_copy / "metrics/eval.json").exists()
+
+
+def test_a_checkpoint_asked_fewer_prompts_asks_the_first_of_every_cell():
+    from types import SimpleNamespace
+
+    prompts = [SimpleNamespace(task=t, length=n) for n in (256, 512) for t in ("passkey", "niah_single_noise")
+               for _ in range(4)]
+    assert suite.first_of_cells(prompts, 4, 3) == list(range(16))
+    assert suite.first_of_cells(prompts, 1, 3) == [0, 4, 5, 6, 8, 12, 13, 14]  # every depth of the NIAH grid
+    with pytest.raises(ValueError, match="more prompts than samples"):
+        EvalParams(samples=2, samples_by_checkpoint={"base": 3})

@@ -64,3 +64,19 @@ def test_a_mean_over_tasks_has_an_interval_that_holds_it_even_where_every_task_i
                                  for t, scores in (("a", [1.0] * 10), ("b", [0.0] * 10)) for s in scores])
     assert cells[512] == {"mean": 0.5, "n": 20, "lo": round(stats.wilson(10, 20)[0], 4),
                           "hi": round(stats.wilson(10, 20)[1], 4)}
+
+
+def test_two_runs_pair_on_the_prompts_both_asked():
+    """A run with more prompts a cell asks the other's first: only those are paired."""
+    from longctx.eval import compare
+
+    def rows(ckpt, scores, length=512):
+        return [{"checkpoint": ckpt, "task": "passkey", "length": length, "score": s} for s in scores]
+
+    old = rows("sft", [0.0] * 10) + rows("base", [1.0] * 10)
+    new = rows("sft", [1.0] * 8 + [0.0] * 2 + [0.0] * 40) + rows("stage1", [1.0] * 10)  # 50 prompts, 10 shared
+    paired = compare.paired_runs(new, old)
+    assert list(paired) == ["sft"]  # checkpoints in one run only are left out
+    assert paired["sft"]["all"][512] == {"n": 10, "wins": 8, "losses": 0, "p": pytest.approx(2 * 0.5**8),
+                                         "verdict": "better"}
+    assert "| sft | better (8-0) |" in compare.table(paired, "exp-a", "HEAD")

@@ -18,6 +18,7 @@ from prefect.testing.utilities import prefect_test_harness
 
 from conftest import SMALL, copy_workspace, dvc_workspace, sh
 from longctx.config import merge
+from longctx.eval import compare
 from pipelines.flows import GPU_LIMIT, STAGES, StageFailed, WorkspaceBusy, ensure_gpu_limit, pipeline, sweep
 
 pytestmark = pytest.mark.slow  # end to end through real DVC, Prefect and MLflow: `pytest -m "not slow"` skips it
@@ -35,7 +36,7 @@ def children(client: MlflowClient, parent) -> dict[str, str]:
     return {r.info.run_name: r.info.status for r in runs}
 
 
-def test_failure_then_resume_and_mlflow_parent_runs(small_run, tmp_path, monkeypatch, harness):
+def test_failure_then_resume_and_mlflow_parent_runs(small_run, tmp_path, monkeypatch, harness, capsys):
     """From a finished run (its own MLflow store) whose SFT param changed: SFT runs, then eval
     fails on impossible lengths; the fix reruns eval alone."""
     ws = tmp_path / "ws"
@@ -103,6 +104,14 @@ def test_failure_then_resume_and_mlflow_parent_runs(small_run, tmp_path, monkeyp
     assert {r.info.run_name for r in runs} == {"eval"}
     table = client.search_runs([exp.experiment_id], filter_string="tags.`longctx.stage` = 'sweep'")
     assert len(table) == 1 and "sweep_comparison.md" in {a.path for a in client.list_artifacts(table[0].info.run_id)}
+    # the experiment reran eval alone with more prompts: on the prompts both runs asked, the same answers
+    note = Path(client.download_artifacts(table[0].info.run_id, "sweep_comparison.md")).read_text()
+    assert f"| {exps[0]['name']} | 2 |" in note and "sft: no difference (0-0) @256, no difference (0-0) @512" in note
+    compare.main([exps[0]["name"], "HEAD", "--workspace", str(ws)])  # the `dvc exp show` route's pairing
+    assert "| sft | no difference (0-0) | no difference (0-0) |" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as stop:
+        compare.main(["no-such-exp", "HEAD", "--workspace", str(ws)])
+    assert stop.value.code == 2 and "no-such-exp: no git revision or DVC experiment" in capsys.readouterr().err
 
 
 def test_the_flow_tracks_where_params_say(tmp_path, monkeypatch, harness):

@@ -446,7 +446,10 @@ class EvalParams(Strict):
     lengths: list[PositiveInt] = Field(default=[8192, 16384, 32768, 65536, 131072], min_length=1)
     """Context lengths of the task prompts (tokens)."""
     samples: PositiveInt = 4
-    """Prompts per task and length (the single-needle noise task: one per depth)."""
+    """Prompts per task and length (the single-needle noise task: at least one per depth)."""
+    samples_by_checkpoint: dict[str, PositiveInt] = {}
+    """Fewer prompts for some checkpoints (name -> prompts a task and length, at most `samples`):
+    each asks the first of every cell's prompts, so paired tests still pair them."""
     depths: list[float] = [0.0, 0.25, 0.5, 0.75, 1.0]
     seed: int = 0
     backend: Literal["ours", "transformers"] = "ours"
@@ -483,6 +486,13 @@ class EvalParams(Strict):
         if not value or any(not 0 <= d <= 1 for d in value):
             raise ValueError("depths must be fractions in [0, 1]")
         return value
+
+    @model_validator(mode="after")
+    def _fewer(self) -> EvalParams:
+        more = {c: n for c, n in self.samples_by_checkpoint.items() if n > self.samples}
+        if more:
+            raise ValueError(f"samples_by_checkpoint {more}: more prompts than samples ({self.samples}) builds")
+        return self
 
 
 # ---------------------------------------------------------------- tracking

@@ -58,21 +58,27 @@ def length_cells(rows: list[dict]) -> dict[int, dict]:
     return out
 
 
-def _pooled(new: list[dict], old: list[dict], n: int) -> dict:
-    """`new` against `old` over every prompt of length n both answered, task by task in order."""
+def _shared(new: list[dict], old: list[dict]) -> dict[tuple[str, int], tuple[list[float], list[float]]]:
+    """(task, length) -> both sides' scores on the prompts both asked: the first of each cell (a
+    run with more eval.samples asks the same prompts first, then more)."""
     a, b = _by_cell(new), _by_cell(old)
-    cells = sorted(c for c in set(a) & set(b) if c[1] == n)
-    return stats.paired([s for c in cells for s in a[c]], [s for c in cells for s in b[c]])
+    return {c: (a[c][:min(len(a[c]), len(b[c]))], b[c][:min(len(a[c]), len(b[c]))]) for c in sorted(set(a) & set(b))}
 
 
-def _paired(new: list[dict], old: list[dict]) -> dict:
-    """Per task and length, and over every prompt of a length ("all"), `new` against `old` on
-    the prompts both answered (the same prompts: the eval builds them once)."""
-    a, b = _by_cell(new), _by_cell(old)
-    shared = sorted(set(a) & set(b))
-    out: dict = {"all": {n: _pooled(new, old, n) for n in sorted({n for _, n in shared})}}
-    for (task, n) in shared:
-        out.setdefault(task, {})[n] = stats.paired(a[task, n], b[task, n])
+def _pooled(shared: dict[tuple[str, int], tuple[list[float], list[float]]], n: int) -> dict:
+    """The paired verdict over every shared prompt of length n, task by task in order."""
+    cells = [v for (_, m), v in shared.items() if m == n]
+    return stats.paired([s for mine, _ in cells for s in mine], [s for _, theirs in cells for s in theirs])
+
+
+def paired_rows(new: list[dict], old: list[dict]) -> dict:
+    """Per task and length, and over every prompt of a length ("all"), the prompt rows `new`
+    against `old` on the prompts both answered (within a run, every checkpoint answered the same
+    prompts: the eval builds them once; across runs, see compare.py)."""
+    shared = _shared(new, old)
+    out: dict = {"all": {n: _pooled(shared, n) for n in sorted({n for _, n in shared})}}
+    for (task, n), (mine, theirs) in shared.items():
+        out.setdefault(task, {})[n] = stats.paired(mine, theirs)
     return out
 
 
@@ -82,9 +88,9 @@ def verdicts(rows: list[dict], order: list[str]) -> dict:
     by = {c: [r for r in rows if r["checkpoint"] == c] for c in order}
     out = {}
     for i, c in enumerate(order[1:], start=1):
-        out[c] = {"base": {"vs": order[0], **_paired(by[c], by[order[0]])}}
+        out[c] = {"base": {"vs": order[0], **paired_rows(by[c], by[order[0]])}}
         if i > 1:
-            out[c]["previous"] = {"vs": order[i - 1], **_paired(by[c], by[order[i - 1]])}
+            out[c]["previous"] = {"vs": order[i - 1], **paired_rows(by[c], by[order[i - 1]])}
     return out
 
 
@@ -99,7 +105,7 @@ def best(rows: list[dict], order: list[str]) -> dict:
         at = {c: v for c, v in at.items() if v}
         means = {c: length_cells(v)[n]["mean"] for c, v in at.items()}
         leader = max(means, key=means.get)
-        against = {c: _pooled(at[leader], at[c], n) for c in at if c != leader}
+        against = {c: _pooled(_shared(at[leader], at[c]), n) for c in at if c != leader}
         out[n] = {"checkpoint": leader, "mean": round(means[leader], 4), "against": against,
                   "supported": bool(against) and all(v["verdict"] == "better" for v in against.values())}
     return out

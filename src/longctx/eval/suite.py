@@ -70,6 +70,19 @@ def build_prompts(enc: Encoder, names: list[str], lengths: list[int], samples: i
     return out
 
 
+def first_of_cells(prompts: list[tasks.Prompt], samples: int, depths: int) -> list[int]:
+    """The indices of each task and length's first `samples` prompts (the single-needle noise
+    task's first `max(samples, depths)`: every depth still asked), in order: a checkpoint asked
+    fewer prompts asks a prefix of every cell, the prompts the others ask first."""
+    seen: dict[tuple[str, int], int] = {}
+    out = []
+    for i, p in enumerate(prompts):
+        k = seen[p.task, p.length] = seen.get((p.task, p.length), 0) + 1
+        if k <= (max(samples, depths) if p.task == "niah_single_noise" else samples):
+            out.append(i)
+    return out
+
+
 Answerer = Callable[[list[list[int]], list[int]], list[list[int]]]
 """Prompts' token ids and each one's new-token budget -> each one's new tokens."""
 
@@ -240,8 +253,9 @@ def evaluate(results: dict, name: str, model: Transformer, folder: Path, enc: En
     if (enc.chat, key) not in built:
         built[enc.chat, key] = [enc.prompt(p) for p in built[key]]
     extra = helmet.prompts(results, name, enc.count, ec, lengths)
-    prompts = built[key] + extra
-    encoded = built[enc.chat, key] + [enc.prompt(p) for p in extra]
+    chosen = first_of_cells(built[key], ec.samples_by_checkpoint.get(name, ec.samples), len(ec.depths))
+    prompts = [built[key][i] for i in chosen] + extra
+    encoded = [built[enc.chat, key][i] for i in chosen] + [enc.prompt(p) for p in extra]
     answer = (hf_answerer(folder / "hf", enc.eos()) if ec.backend == "transformers"
               else our_answerer(model, enc.eos()))
     rows, speed = run_tasks(answer, enc, prompts, f"eval {name}", encoded, ec.batch_tokens)
