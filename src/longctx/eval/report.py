@@ -45,8 +45,7 @@ def cells(rows: list[dict]) -> dict[str, dict[int, dict]]:
 
 def length_cells(rows: list[dict]) -> dict[int, dict]:
     """Length -> the mean task score over the tasks at that length, the prompts behind it and its
-    95% interval (each task's prompts resampled within the task; the `means` section of one
-    checkpoint)."""
+    95% interval (`stats.mean_interval`; the `means` section of one checkpoint)."""
     by_length: dict[int, list[list[float]]] = {}
     for (_, n), scores in _by_cell(rows).items():
         by_length.setdefault(n, []).append(scores)
@@ -62,7 +61,11 @@ def _shared(new: list[dict], old: list[dict]) -> dict[tuple[str, int], tuple[lis
     """(task, length) -> both sides' scores on the prompts both asked: the first of each cell (a
     run with more eval.samples asks the same prompts first, then more)."""
     a, b = _by_cell(new), _by_cell(old)
-    return {c: (a[c][:min(len(a[c]), len(b[c]))], b[c][:min(len(a[c]), len(b[c]))]) for c in sorted(set(a) & set(b))}
+    out = {}
+    for c in sorted(set(a) & set(b)):
+        k = min(len(a[c]), len(b[c]))
+        out[c] = a[c][:k], b[c][:k]
+    return out
 
 
 def _pooled(shared: dict[tuple[str, int], tuple[list[float], list[float]]], n: int) -> dict:

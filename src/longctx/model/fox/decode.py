@@ -21,7 +21,7 @@ def _decode_kernel(Q, K, V, LAMQ, LAMK, M, L, ACC, LENS, CHUNK, skb, sk, slkb, s
                    GROUPS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr, DECAY: tl.constexpr):
     h = tl.program_id(0)
     c = tl.program_id(1)
-    b = tl.program_id(2)
+    b = tl.program_id(2).to(tl.int64)  # (a batch's cache passes 2^31 elements at ~2.8M cached tokens)
     dims = tl.arange(0, DP)  # D padded to a power of two
     real = dims < D
     row = b * H + h  # (document, head): q, lam_q and the partial results are [B, H, ...] contiguous
