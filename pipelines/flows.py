@@ -35,7 +35,7 @@ from longctx.config import load
 from longctx.errors import LongctxError
 from longctx.eval import compare
 from longctx.eval.plots import family_figure
-from longctx.eval.report import length_means, score_rows, verdict_text
+from longctx.eval.report import interval_text, length_means, score_rows, verdict_text
 from longctx.eval.summary import summary
 from longctx.eval.tasks import family
 from longctx.tracking import PARENT_ENV, end_run, open_run, tag_children, tracking_uri
@@ -410,13 +410,17 @@ def _sweep_table(ws: Path, grid: dict[str, list], exps: list[dict]) -> tuple[str
         base = compare.prompt_rows(ws, "HEAD")
     except LongctxError as e:  # HEAD holds no eval run: nothing to pair against
         why = str(e)
-    lines = ["| experiment | " + " | ".join(keys) + " | eval mean score | pretrain val loss | vs HEAD on the same "
-             "prompts |", "|---" * (len(keys) + 4) + "|"]
+    lines = ["| experiment | " + " | ".join(keys) + " | mean task score [95%] (prompts), last checkpoint at the "
+             "longest length | pretrain val loss | vs HEAD on the same prompts |", "|---" * (len(keys) + 4) + "|"]
     details = []
     for e in exps:
         values = [str(_lookup(e["params"], k)) for k in keys]
-        ev = e["metrics"].get("metrics/eval.json", {}).get("tasks", {})
-        scores = [r["score"] for r in score_rows(ev)]
+        means = e["metrics"].get("metrics/eval.json", {}).get("means") or {}
+        score = "n/a"
+        if means:
+            last, by = list(means.items())[-1]
+            longest = max(by, key=int)
+            score = f"{last} @{longest}: {interval_text(by[longest]['mean'], by[longest])}"
         pre = e["metrics"].get("metrics/pretrain.json", {})
         val = [v.get("val_loss") for v in pre.values() if isinstance(v, dict)]
         versus = "n/a (HEAD has no eval run)" if base is None else "n/a (no eval run)"
@@ -427,8 +431,7 @@ def _sweep_table(ws: Path, grid: dict[str, list], exps: list[dict]) -> tuple[str
                 versus = f"{last}: " + ", ".join(f"{verdict_text(v)} @{n}" for n, v in paired[last]["all"].items())
                 details.append(compare.table(paired, e["name"], "HEAD"))
         lines.append(f"| {e['name']} | " + " | ".join(values) +
-                     f" | {sum(scores) / len(scores) if scores else float('nan'):.4f} | {val[-1] if val else 'n/a'} "
-                     f"| {versus} |")
+                     f" | {score} | {val[-1] if val else 'n/a'} | {versus} |")
     return "\n".join(lines), "\n".join(details) if base is not None else f"not paired: {why}"
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -107,6 +108,7 @@ def test_failure_then_resume_and_mlflow_parent_runs(small_run, tmp_path, monkeyp
     # the experiment reran eval alone with more prompts: on the prompts both runs asked, the same answers
     note = Path(client.download_artifacts(table[0].info.run_id, "sweep_comparison.md")).read_text()
     assert f"| {exps[0]['name']} | 2 |" in note and "sft: no difference (0-0) @256, no difference (0-0) @512" in note
+    assert re.search(rf"\| {exps[0]['name']} \| 2 \| sft @512: \d\.\d\d \[\d\.\d\d-\d\.\d\d\] \(\d+\) \|", note)
     compare.main([exps[0]["name"], "HEAD", "--workspace", str(ws)])  # the `dvc exp show` route's pairing
     assert "| sft | no difference (0-0) | no difference (0-0) |" in capsys.readouterr().out
     with pytest.raises(SystemExit) as stop:

@@ -49,6 +49,12 @@ class Encoder:
         return self.tok.token_id(self.tok.eos_token, "eos") if self.tok.eos_token else None
 
 
+def cell_size(task: str, samples: int, depths: int) -> int:
+    """Prompts of a task at one length: `samples`, the single-needle noise task at least one per
+    depth (the NIAH depth x length grid)."""
+    return max(samples, depths) if task == "niah_single_noise" else samples
+
+
 def build_prompts(enc: Encoder, names: list[str], lengths: list[int], samples: int, depths: list[float],
                   seed: int, haystack: str, wrappers: tuple[Encoder, ...] = ()) -> list[tasks.Prompt]:
     """Every task at every length: `samples` prompts each, depths cycling; the single-needle
@@ -62,8 +68,7 @@ def build_prompts(enc: Encoder, names: list[str], lengths: list[int], samples: i
     for length in lengths:
         budget = tasks.Budget(enc.count, length, reserve=wrap + 8)
         for name in names:
-            count = max(samples, len(depths)) if name == "niah_single_noise" else samples
-            grid = [depths[i % len(depths)] for i in range(count)]
+            grid = [depths[i % len(depths)] for i in range(cell_size(name, samples, len(depths)))]
             for i, depth in enumerate(grid):
                 rng = np.random.default_rng([seed, length, tasks.TASKS.index(name), i])
                 out.append(tasks.build(name, budget, rng, depth, haystack))
@@ -71,14 +76,13 @@ def build_prompts(enc: Encoder, names: list[str], lengths: list[int], samples: i
 
 
 def first_of_cells(prompts: list[tasks.Prompt], samples: int, depths: int) -> list[int]:
-    """The indices of each task and length's first `samples` prompts (the single-needle noise
-    task's first `max(samples, depths)`: every depth still asked), in order: a checkpoint asked
-    fewer prompts asks a prefix of every cell, the prompts the others ask first."""
+    """The indices of each task and length's first `cell_size` prompts, in order: a checkpoint
+    asked fewer prompts asks a prefix of every cell, the prompts the others ask first."""
     seen: dict[tuple[str, int], int] = {}
     out = []
     for i, p in enumerate(prompts):
         k = seen[p.task, p.length] = seen.get((p.task, p.length), 0) + 1
-        if k <= (max(samples, depths) if p.task == "niah_single_noise" else samples):
+        if k <= cell_size(p.task, samples, depths):
             out.append(i)
     return out
 
