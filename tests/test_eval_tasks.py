@@ -114,3 +114,19 @@ def test_fill_takes_the_most_pieces_that_fit_in_a_few_counts(enc, haystack, leng
     room = length - budget.reserve - enc.count("Question?")
     assert enc.count("".join(got)) <= room < enc.count("".join(pieces[:len(got) + 1]))  # the most that fit
     assert len(calls) <= 12, f"{len(calls)} tokenizer calls"  # doubling then bisection: ~20 at 64K
+    before = len(calls)
+    again = budget.fill("Question!", lambda n: pieces[:n])  # the same filler again (another prompt of the length)
+    assert again == got and len(calls) == before + 1, "the filler's counts are remembered: only the new question"
+
+
+def test_prompts_built_side_by_side_are_those_built_one_by_one(enc, haystack):
+    """build_prompts fills its prompts on threads, sharing a length's remembered counts: the
+    prompts (and their ids from the batch encoder) are those of one Budget each, built in turn."""
+    names, lengths, depths = ["passkey", "niah_multikey", "json_kv"], [512, 1024], [0.0, 0.5, 1.0]
+    built = build_prompts(enc, names, lengths, 3, depths, 7, haystack)
+    wrap = len(enc.prompt(tasks.Prompt("", 0, "", "", "", [""], "all", 0)))
+    alone = [tasks.build(name, tasks.Budget(enc.count, n, reserve=wrap + 8),
+                         np.random.default_rng([7, n, tasks.TASKS.index(name), i]), depths[i % 3], haystack)
+             for n in lengths for name in names for i in range(3)]
+    assert built == alone
+    assert enc.prompts(built) == [enc.prompt(p) for p in built]

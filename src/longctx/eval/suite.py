@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -38,12 +39,17 @@ class Encoder:
         return len(self.tok.tok.encode(text, add_special_tokens=False).ids)
 
     def prompt(self, p: tasks.Prompt) -> list[int]:
+        return self.prompts([p])[0]
+
+    def prompts(self, ps: list[tasks.Prompt]) -> list[list[int]]:
+        """Prompts' ids, in one batch call of the tokenizer (it spreads them over the cores)."""
         if self.chat:
-            head = self.tok.chat_prompt(f"{p.context}\n\n{p.question}")
-            return self.tok.tok.encode(head + p.answer_prefix, add_special_tokens=False).ids
-        bos = self.tok.token_id(self.tok.bos_token, "bos") if self.tok.bos_token else None
-        ids = self.tok.tok.encode(p.text(), add_special_tokens=False).ids
-        return ([bos] if bos is not None else []) + ids
+            texts = [self.tok.chat_prompt(f"{p.context}\n\n{p.question}") + p.answer_prefix for p in ps]
+            head = []
+        else:
+            texts = [p.text() for p in ps]
+            head = [self.tok.token_id(self.tok.bos_token, "bos")] if self.tok.bos_token else []
+        return [head + e.ids for e in self.tok.tok.encode_batch(texts, add_special_tokens=False)]
 
     def eos(self) -> int | None:
         return self.tok.token_id(self.tok.eos_token, "eos") if self.tok.eos_token else None
@@ -62,17 +68,17 @@ def build_prompts(enc: Encoder, names: list[str], lengths: list[int], samples: i
     same prompts.
     Each fits the length under `enc` and every one of `wrappers` (the chat template too: then the
     pretrained and the SFT checkpoints read the same texts)."""
-    out = []
     empty = tasks.Prompt("", 0, "", "", "", [""], "all", 0)
     wrap = max(len(e.prompt(empty)) for e in (enc, *wrappers))
+    jobs = []
     for length in lengths:
         budget = tasks.Budget(enc.count, length, reserve=wrap + 8)
         for name in names:
-            grid = [depths[i % len(depths)] for i in range(cell_size(name, samples, len(depths)))]
-            for i, depth in enumerate(grid):
-                rng = np.random.default_rng([seed, length, tasks.TASKS.index(name), i])
-                out.append(tasks.build(name, budget, rng, depth, haystack))
-    return out
+            for i in range(cell_size(name, samples, len(depths))):
+                jobs.append((name, budget, np.random.default_rng([seed, length, tasks.TASKS.index(name), i]),
+                             depths[i % len(depths)]))
+    with ThreadPoolExecutor() as pool:  # tokenizing (most of the time) runs outside the GIL: one prompt a core
+        return list(pool.map(lambda job: tasks.build(*job, haystack), jobs))
 
 
 def first_of_cells(prompts: list[tasks.Prompt], samples: int, depths: int) -> list[int]:
@@ -129,7 +135,7 @@ def run_tasks(answer: Answerer, enc: Encoder, prompts: list[tasks.Prompt], desc:
     """Score every prompt (`encoded`: their token ids, when already encoded), up to
     `batch_tokens` prompt tokens a call of `answer`; returns rows in the prompts' order and
     throughput."""
-    encoded = [enc.prompt(p) for p in prompts] if encoded is None else encoded
+    encoded = enc.prompts(prompts) if encoded is None else encoded
     rows: list[dict | None] = [None] * len(prompts)
     tokens, start = 0, time.perf_counter()
     eos = enc.eos()
@@ -255,11 +261,11 @@ def evaluate(results: dict, name: str, model: Transformer, folder: Path, enc: En
         other = (Encoder(enc.tok, not enc.chat),) if enc.chat or enc.tok.chat_template else ()
         built[key] = build_prompts(enc, ec.tasks, lengths, ec.samples, ec.depths, ec.seed, haystack, other)
     if (enc.chat, key) not in built:
-        built[enc.chat, key] = [enc.prompt(p) for p in built[key]]
+        built[enc.chat, key] = enc.prompts(built[key])
     extra = helmet.prompts(results, name, enc.count, ec, lengths)
     chosen = first_of_cells(built[key], ec.samples_by_checkpoint.get(name, ec.samples), len(ec.depths))
     prompts = [built[key][i] for i in chosen] + extra
-    encoded = [built[enc.chat, key][i] for i in chosen] + [enc.prompt(p) for p in extra]
+    encoded = [built[enc.chat, key][i] for i in chosen] + enc.prompts(extra)
     answer = (hf_answerer(folder / "hf", enc.eos()) if ec.backend == "transformers"
               else our_answerer(model, enc.eos()))
     rows, speed = run_tasks(answer, enc, prompts, f"eval {name}", encoded, ec.batch_tokens)

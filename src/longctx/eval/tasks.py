@@ -10,6 +10,7 @@ validation text, JSON pairs, list words, demonstrations) grows until the prompt 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import uuid
@@ -60,19 +61,28 @@ class Budget:
 
     def __init__(self, count: Callable[[str], int], length: int, reserve: int = 8):
         self.count, self.length, self.reserve = count, length, reserve
+        self._seen: dict[bytes, int] = {}
+
+    def tokens(self, text: str) -> int:
+        """count(text), remembered by digest: the prompts of one length fill with the same filler
+        (noise or haystack sentences), so their searches tokenize the same 64K-token texts again."""
+        key = hashlib.blake2b(text.encode(), digest_size=16).digest()
+        if (c := self._seen.get(key)) is None:
+            c = self._seen[key] = self.count(text)
+        return c
 
     def fill(self, fixed: str, pieces: Callable[[int], list[str]], start: int = 8) -> list[str]:
         """The most pieces (pieces(n) gives the first n) such that fixed + pieces fit the length.
         Tokens grow about linearly with pieces, so each guess aims at the room by the rate seen so
         far (a few tokenizer calls on 64K-token texts, where doubling then bisection took ~20);
         after four guesses inside the bracket it bisects, so it always ends."""
-        room = self.length - self.reserve - self.count(fixed)
+        room = self.length - self.reserve - self.tokens(fixed)
         if room <= 0:
             return []
         lo, c_lo, hi, c_hi = 0, 0, None, 0
         n, guesses = start, 0
         while True:
-            c = self.count("".join(pieces(n)))
+            c = self.tokens("".join(pieces(n)))
             if c <= room:
                 lo, c_lo = n, c
             else:
