@@ -10,6 +10,9 @@ import os
 # 142 -> 85 s user, 154 -> 94 s wall)
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import atexit  # noqa: E402
+import functools  # noqa: E402
+import json  # noqa: E402
 import shutil  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -79,15 +82,58 @@ def stage_process(project: Path, name: str, overrides: dict | None, env: dict[st
                   mounts: str | None = None) -> subprocess.CompletedProcess:
     """`python -m stages.<name>` in a project folder with these params (None: its params.yaml as
     it is) and extra environment `env`, as a user runs it; after `mounts` (shell, run in a private
-    mount namespace of its own: a full or read-only disk for this process only) if given."""
+    mount namespace of its own: a full or read-only disk for this process only) if given. Without
+    mounts the process is forked from tests/stage_worker.py, which imported the stages' modules once."""
     if overrides is not None:
         write_params(project, overrides)
-    path = os.pathsep.join(filter(None, [str(REPO / "src"), str(REPO), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **(env or {})}
-    cmd = [sys.executable, "-m", f"stages.{name}"]
-    if mounts is not None:
-        cmd = ["unshare", "--map-root-user", "--mount", "sh", "-ec", f'{mounts}; exec "$@"', "sh", *cmd]
+    env = {**_stage_env(), **(env or {})}
+    if mounts is None:
+        return _stage_worker().run(name, project, env, timeout=600)
+    cmd = ["unshare", "--map-root-user", "--mount", "sh", "-ec", f'{mounts}; exec "$@"', "sh",
+           sys.executable, "-m", f"stages.{name}"]
     return subprocess.run(cmd, cwd=project, env=env, capture_output=True, text=True, timeout=600)
+
+
+def _stage_env() -> dict[str, str]:
+    path = os.pathsep.join(filter(None, [str(REPO / "src"), str(REPO), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
+
+
+class _StageWorker:
+    """The suite's tests/stage_worker.py process (started at the first stage it runs)."""
+
+    def __init__(self):
+        self.proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "stage_worker.py")], env=_stage_env(),
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        if self.proc.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"tests/stage_worker.py did not start (exit {self.proc.wait()})")
+
+    def run(self, name: str, cwd: Path, env: dict[str, str], timeout: int) -> subprocess.CompletedProcess:
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+            req = {"stage": name, "cwd": str(cwd), "env": env, "stdout": str(out), "stderr": str(err),
+                   "timeout": timeout}
+            self.proc.stdin.write(json.dumps(req) + "\n")
+            self.proc.stdin.flush()
+            answer = self.proc.stdout.readline()
+            if not answer:
+                raise RuntimeError(f"tests/stage_worker.py exited (code {self.proc.wait()})")
+            code = json.loads(answer)["returncode"]
+            return subprocess.CompletedProcess([sys.executable, "-m", f"stages.{name}"], code,
+                                               out.read_text(), err.read_text())
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+@functools.cache
+def _stage_worker() -> _StageWorker:
+    worker = _StageWorker()
+    atexit.register(worker.close)
+    return worker
 
 
 GIT_ENV = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@example.com", "GIT_COMMITTER_NAME": "t",
