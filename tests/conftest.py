@@ -16,6 +16,7 @@ import json  # noqa: E402
 import shutil  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
@@ -109,8 +110,6 @@ class _StageWorker:
             raise RuntimeError(f"tests/stage_worker.py did not start (exit {self.proc.wait()})")
 
     def run(self, name: str, cwd: Path, env: dict[str, str], timeout: int) -> subprocess.CompletedProcess:
-        import tempfile
-
         with tempfile.TemporaryDirectory() as tmp:
             out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
             req = {"stage": name, "cwd": str(cwd), "env": env, "stdout": str(out), "stderr": str(err),
