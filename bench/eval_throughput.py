@@ -47,6 +47,19 @@ def prefill_flops(m: Transformer, lengths: list[int]) -> float:
     return sum(2 * flop_params(m) * n + 2 * c.n_layers * c.n_heads * c.dim_head * n * n for n in lengths)
 
 
+def kernels(m: Transformer, encoded: list[list[int]], budget: int, top: int = 8) -> list[dict]:
+    """The prefill's CUDA kernels by their share of its GPU time (one pass under the profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        prefill(m, encoded, budget)
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    total = sum(e.device_time_total for e in events)
+    events.sort(key=lambda e: -e.device_time_total)
+    return [{"kernel": e.key[:90], "calls": e.count, "share": round(e.device_time_total / total, 4),
+             "ms": round(e.device_time_total / 1e3, 2)} for e in events[:top]]
+
+
 @torch.no_grad()
 def prefill(m: Transformer, encoded: list[list[int]], budget: int) -> float:
     """Seconds of the prefills alone (each batch's prompts packed, the head on each last row), as
@@ -113,6 +126,8 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", choices=["transformer", "fox"], default=["transformer", "fox"])
     parser.add_argument("--alone", action=argparse.BooleanOptionalAction, default=True,
                         help="time ours one prompt at a time too")
+    parser.add_argument("--attention", default="auto", help="ours: the attention backend (model.attention_backend)")
+    parser.add_argument("--profile", action="store_true", help="the prefill's top CUDA kernels, each length")
     args = parser.parse_args()
     tok = TextTokenizer.load(args.tokenizer)
     enc = suite.Encoder(tok, chat=False)
@@ -123,6 +138,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         for fox in [m == "fox" for m in args.models]:
             m = model(fox, vocab, window)
+            m.attention_backend = args.attention
             name = "FoX (Pro)" if fox else "Transformer"
             if not fox:
                 save_hf(m, Path(d) / "hf", args.tokenizer)
@@ -140,6 +156,10 @@ def main() -> None:
                        "prefill_seconds": round(seconds, 3),
                        "prefill_tokens_per_s": round(sum(map(len, encoded)) / seconds),
                        "prefill_flop_fraction": round(flops / seconds / peak, 4) if peak else None}
+                if args.profile:
+                    row["kernels"] = kernels(m, encoded, args.batch_tokens)
+                    for k in row["kernels"]:
+                        print(f"  {k['share']:>6.1%} {k['ms']:>9.1f} ms {k['calls']:>6}  {k['kernel']}")
                 row["batched"], want = timed(ours, enc, prompts, encoded, args.batch_tokens)
                 if args.alone:
                     row["one_at_a_time"], got = timed(ours, enc, prompts, encoded, 1)
@@ -167,6 +187,7 @@ def main() -> None:
               f"{r['prefill_tokens_per_s']:>13} {r['prefill_flop_fraction']:>7} {r['build_seconds']:>7}")
     write_result(args.out, "eval_throughput", {"shape": "gpu-64k model (d768, 12 layers)", "tasks": TASKS,
                                                 "batch_tokens": args.batch_tokens, "peer_batch": args.peer_batch,
+                                                "attention": args.attention,
                                                 "rows": rows})
 
 
