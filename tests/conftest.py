@@ -23,6 +23,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import yaml  # noqa: E402
 
+from longctx.config.schema import EvalParams  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DVC_NO_ANALYTICS", "1")
@@ -60,8 +62,10 @@ SMALL = {
         "sft": {"seq_len": 512},
     }},
     "model": {"d_model": 32, "n_layers": 2, "n_heads": 4, "ffn_dim": 64, "max_position_embeddings": 256},
-    "eval": {"lengths": [256, 512], "samples": 1, "depths": [0.5], "position_sequences": 2, "needle_sequences": 2,
-             "retention_sequences": 4, "helmet": {"nq": {"kind": "rag", "path": "helmet/nq.jsonl"}}},
+    # every task builder end to end (the tiny profile asks only its four retrieval tasks)
+    "eval": {"tasks": list(EvalParams.TASKS), "lengths": [256, 512], "samples": 1, "depths": [0.5],
+             "position_sequences": 2, "needle_sequences": 2, "retention_sequences": 4,
+             "helmet": {"nq": {"kind": "rag", "path": "helmet/nq.jsonl"}}},
     "rope_search": {"target_length": 512, "population": 6, "generations": 2, "sequences": 2, "table_sequences": 2},
     "train": {
         "base": {"steps": 4, "micro_batch": 2, "val_sequences": 4, "checkpoint_every": 2},
