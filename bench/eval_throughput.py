@@ -5,7 +5,9 @@ transformers' generate on the HF export of the same weights (the peer, same run,
 left-padded into batches of --peer-batch); the prefill alone as prefill tokens/s and as a fraction
 of the GPU's dense bf16 peak (2 FLOPs per non-embedding parameter per token plus causal
 attention, as the training MFU counts); FoX (Pro) with ours beside. Random weights (speed does
-not depend on them); the answers of every mode are compared with batched ours.
+not depend on them); the answers of every mode are compared with batched ours. The tasks and
+depths are the gpu-64k profile's eval; `--shared-prefix both` times ours with the prompts'
+common prefixes prefilled once (model/decode.py, the default) and with every prompt whole.
 
     python bench/eval_throughput.py --tokenizer data/tokens/tokenizer --out bench/results
 """
@@ -22,6 +24,7 @@ import torch
 from longctx import config
 from longctx.data.tokenizer import TextTokenizer
 from longctx.eval import needle, suite
+from longctx.model import decode
 from longctx.model.config import FoxConfig
 from longctx.model.hf import save_hf
 from longctx.model.transformer import Transformer
@@ -29,7 +32,7 @@ from longctx.perf import write_result
 from longctx.train.loop import flop_params, peak_flops
 from longctx.train.models import build
 
-TASKS = ["niah_single_noise", "json_kv", "variable_tracking", "passkey"]
+EVAL = config.resolve({"profile": "gpu-64k"}).eval
 
 
 def model(fox: bool, vocab: int, window: int) -> Transformer:
@@ -118,7 +121,7 @@ def main() -> None:
     parser.add_argument("--tokenizer", type=Path, required=True)
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 32768, 65536])
-    parser.add_argument("--per-task", type=int, default=4, help="prompts per task and length (4 tasks)")
+    parser.add_argument("--per-task", type=int, default=4, help="prompts per task and length")
     parser.add_argument("--batch-tokens", type=int, default=65536, help="ours: prompt tokens a batch")
     parser.add_argument("--peer-batch", type=int, default=4, help="transformers: prompts a generate call")
     parser.add_argument("--peer-lengths", type=int, nargs="*", default=[4096, 16384],
@@ -128,6 +131,11 @@ def main() -> None:
                         help="time ours one prompt at a time too")
     parser.add_argument("--attention", default="auto", help="ours: the attention backend (model.attention_backend)")
     parser.add_argument("--profile", action="store_true", help="the prefill's top CUDA kernels, each length")
+    parser.add_argument("--tasks", nargs="+", default=list(EVAL.tasks), help="default: the gpu-64k profile's")
+    parser.add_argument("--depths", type=float, nargs="+", default=list(EVAL.depths),
+                        help="needle depths, cycling over a task's prompts (default: the gpu-64k profile's)")
+    parser.add_argument("--shared-prefix", choices=["on", "off", "both"], default="both",
+                        help="ours: common prefixes prefilled once (on), every prompt whole (off), or both timed")
     args = parser.parse_args()
     tok = TextTokenizer.load(args.tokenizer)
     enc = suite.Encoder(tok, chat=False)
@@ -144,7 +152,7 @@ def main() -> None:
                 save_hf(m, Path(d) / "hf", args.tokenizer)
             for length in args.lengths:
                 t0 = time.perf_counter()  # the eval stage builds and encodes its prompts once, on the host
-                prompts = suite.build_prompts(enc, TASKS, [length], args.per_task, [0.5], 0, haystack())
+                prompts = suite.build_prompts(enc, args.tasks, [length], args.per_task, args.depths, 0, haystack())
                 encoded = enc.prompts(prompts)
                 build = time.perf_counter() - t0
                 ours = suite.our_answerer(m, enc.eos())
@@ -160,7 +168,15 @@ def main() -> None:
                     row["kernels"] = kernels(m, encoded, args.batch_tokens)
                     for k in row["kernels"]:
                         print(f"  {k['share']:>6.1%} {k['ms']:>9.1f} ms {k['calls']:>6}  {k['kernel']}")
+                decode.SHARED_PREFIX = args.shared_prefix != "off"
                 row["batched"], want = timed(ours, enc, prompts, encoded, args.batch_tokens)
+                row["batched"]["shared_prefix"] = decode.SHARED_PREFIX
+                if args.shared_prefix == "both":
+                    decode.SHARED_PREFIX = False
+                    row["unshared"], got = timed(ours, enc, prompts, encoded, args.batch_tokens)
+                    row["unshared"]["same_answers"] = sum(a == b for a, b in zip(got, want, strict=True))
+                    row["vs_unshared"] = round(row["batched"]["prompts_per_s"] / row["unshared"]["prompts_per_s"], 2)
+                    decode.SHARED_PREFIX = True
                 if args.alone:
                     row["one_at_a_time"], got = timed(ours, enc, prompts, encoded, 1)
                     row["one_at_a_time"]["same_answers"] = sum(a == b for a, b in zip(got, want, strict=True))
@@ -177,15 +193,17 @@ def main() -> None:
                 print(row, flush=True)
             del m
             torch.cuda.empty_cache()
-    print(f"{'model':<12} {'length':>7} {'prompts/s':>10} {'1-at-a-time':>11} {'transformers':>12} {'x HF':>5} "
-          f"{'prefill tok/s':>13} {'of peak':>7} {'build s':>7}")
+    print(f"{'model':<12} {'length':>7} {'prompts/s':>10} {'unshared':>9} {'x':>5} {'1-at-a-time':>11} "
+          f"{'transformers':>12} {'x HF':>5} {'prefill tok/s':>13} {'of peak':>7} {'build s':>7}")
     for r in rows:
         peer = r.get("transformers", {}).get("prompts_per_s", "-")
         alone = r.get("one_at_a_time", {}).get("prompts_per_s", "-")
-        print(f"{r['model']:<12} {r['length']:>7} {r['batched']['prompts_per_s']:>10} "
-              f"{alone:>11} {peer:>12} {r.get('vs_transformers', '-'):>5} "
+        whole = r.get("unshared", {}).get("prompts_per_s", "-")
+        print(f"{r['model']:<12} {r['length']:>7} {r['batched']['prompts_per_s']:>10} {whole:>9} "
+              f"{r.get('vs_unshared', '-'):>5} {alone:>11} {peer:>12} {r.get('vs_transformers', '-'):>5} "
               f"{r['prefill_tokens_per_s']:>13} {r['prefill_flop_fraction']:>7} {r['build_seconds']:>7}")
-    write_result(args.out, "eval_throughput", {"shape": "gpu-64k model (d768, 12 layers)", "tasks": TASKS,
+    write_result(args.out, "eval_throughput", {"shape": "gpu-64k model (d768, 12 layers)", "tasks": args.tasks,
+                                                "depths": args.depths, "per_task": args.per_task,
                                                 "batch_tokens": args.batch_tokens, "peer_batch": args.peer_batch,
                                                 "attention": args.attention,
                                                 "rows": rows})

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 
+import numpy as np
 import pytest
 import torch
 
@@ -156,3 +157,84 @@ def test_prompts_decoded_together_on_cuda_get_what_each_gets_alone(name):
     alone = [generate(model, p, s) for p, s in zip(prompts, steps, strict=True)]
     together = generate_batch(model, prompts, steps)
     assert [torch.equal(a, b) for a, b in zip(together, alone, strict=True)] == [True] * 4
+
+
+def test_share_plan_forks_each_prompt_from_the_one_it_shares_most_with():
+    """Four prompts of one haystack, needles at depths 0.9, 0.5, 0.9 and 0.1, one of another
+    haystack, one a copy of the first: the first is computed whole and the others that share
+    enough of themselves fork from it (the copy keeps its last token); a pair with other
+    frequencies never shares."""
+    from longctx.model.decode import common_prefixes, share_plan
+
+    gen = torch.Generator().manual_seed(0)
+    hay, other = torch.randint(0, 50, (100,), generator=gen), torch.randint(0, 50, (100,), generator=gen)
+
+    def needle(h: torch.Tensor, at: int, key: int) -> torch.Tensor:
+        return torch.cat((h[:at], torch.tensor([60, key]), h[at:]))
+
+    prompts = [needle(hay, 90, 51), needle(hay, 50, 52), needle(hay, 90, 53), needle(hay, 10, 54),
+               needle(other, 90, 55), needle(hay, 90, 51)]
+    agree = common_prefixes(prompts)
+    assert agree[0, 1] == 50 and agree[0, 2] == 91 and agree[0, 5] == 102 and agree[3, 4] < 10
+    assert (agree == agree.T).all()
+    lengths = [p.numel() for p in prompts]
+    plan = share_plan(agree, lengths, None, min_tokens=8, min_fraction=0.4)
+    assert plan == [(-1, 0), (0, 50), (0, 91), (-1, 0), (-1, 0), (0, 101)]
+    assert share_plan(agree, lengths, None, min_tokens=60, min_fraction=0.4)[1] == (-1, 0)
+    apart = np.ones((6, 6), dtype=bool)
+    apart[0, 2] = apart[2, 0] = False  # (as where their rotary frequencies differ)
+    assert share_plan(agree, lengths, apart, min_tokens=8, min_fraction=0.4)[2] == (5, 91)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_prompts_with_a_common_prefix_get_what_each_gets_alone(name, monkeypatch):
+    """Prompts of one haystack forked from the one prefilled whole: each the tokens of its own
+    full-forward argmax; plain attention forks (LongRoPE only where both sides of a pair are
+    past its window or both inside), FoX never does (its gates carry state past each row). The
+    first and fourth prompts agree on 15 tokens, the second on 9, the third on 6, the last on 2."""
+    from longctx.model import decode
+
+    monkeypatch.setattr(decode, "SHARE_MIN_TOKENS", 4)
+    monkeypatch.setattr(decode, "SHARE_MIN_FRACTION", 0.3)
+    torch.manual_seed(4)
+    model = Transformer(CONFIGS[name]).double().eval()
+    hay = torch.randint(0, 61, (16,))
+    prompts = [torch.cat((hay[:at], torch.tensor([7, key]), hay[at:at + 2 + at % 3])) for at, key in
+               ((14, 1), (9, 2), (6, 3), (14, 4), (2, 5))]  # 18-22 tokens, LongRoPE's window 12
+    steps = [6, 4, 8, 5, 3] if name != "dynamic" else [3, 2, 4, 3, 2]
+    alone = [full_forward_greedy(model, p, s) for p, s in zip(prompts, steps, strict=True)]
+    together = generate_batch(model, prompts, steps)
+    assert [torch.equal(a, b) for a, b in zip(together, alone, strict=True)] == [True] * 5
+    cache, _, order = decode._prefill(model, prompts, 8, share=True)
+    assert cache.lengths == [prompts[i].numel() for i in order]
+    want = {"longrope": [0, 2, 4, 1, 3]}.get(name, [0, 4, 1, 2, 3] if CONFIGS[name].fox is None else [0, 1, 2, 3, 4])
+    assert order == want
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_queries_after_a_cached_part_attend_in_one_flash_call_on_cuda():
+    """Three cached documents (300, 40 and 1,000 rows of grouped keys), new tokens for two of
+    them (none for the second): FlashAttention-2's bottom-right causal call gives what the
+    float64 softmax gives, a document's new rows seeing its cached rows and its earlier new ones."""
+    from longctx.model.decode import attend_cached
+
+    gen = torch.Generator().manual_seed(5)
+    h, hk, d, cached, new = 8, 2, 64, [300, 40, 1000], [77, 0, 500]
+    cache = LayerCache(docs=3)
+    rows = sum(cached)
+    k, v = (torch.randn(rows, hk, d, generator=gen).cuda().bfloat16() for _ in range(2))
+    cache.attend(torch.randn(rows, h, d, generator=gen).cuda().bfloat16(), k, v, None,
+                 np.cumsum([0] + cached).tolist())
+    q = torch.randn(sum(new), h, d, generator=gen).cuda().bfloat16()
+    k_new, v_new = (torch.randn(sum(new), hk, d, generator=gen).cuda().bfloat16() for _ in range(2))
+    bounds = np.cumsum([0] + new).tolist()
+    got = cache.attend(q, k_new, v_new, None, bounds)
+    assert cache.lengths == [a + b for a, b in zip(cached, new, strict=True)]
+    for i in (0, 2):
+        a, b = bounds[i], bounds[i + 1]
+        end = cached[i] + new[i]
+        want = attend_cached(q[None, a:b].cpu().double(), cache.k[i:i + 1, :end].cpu().double(),
+                             cache.v[i:i + 1, :end].cpu().double(), None, None,
+                             torch.arange(cached[i], end)[None], d**-0.5)[0]
+        assert ((got[a:b].cpu().double() - want).norm() / want.norm()) < 1e-2, i

@@ -129,7 +129,7 @@ def _all_short(index: torch.Tensor, n: int) -> bool:
     return index.numel() == n
 
 
-def _flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
                    max_q: int, max_k: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """FlashAttention-2's varlen causal forward (its mask aligned to the last key where a document has
     fewer queries than keys): (out, log-sum-exp [H, queries])."""
@@ -163,7 +163,7 @@ def doc_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, long_docs: 
     n, h, _ = q.shape
     bound = min(long_doc, n)  # (FlashAttention sizes its grid by it)
     if _all_short(short_index, n):
-        return _flash_forward(q, k, v, short_cu, short_cu, bound, bound, scale)
+        return flash_forward(q, k, v, short_cu, short_cu, bound, bound, scale)
     out = torch.empty_like(q)
     lse = torch.empty(h, n, dtype=torch.float32, device=q.device)
     for start, length, size in long_docs.tolist():
@@ -176,9 +176,9 @@ def doc_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, long_docs: 
         lse[:, start:start + rows] = res[1][0, :, :rows, 0]
         if size < length:
             a, b, cu_q, cu_k = _tail(start, length, size, q.device)
-            out[a:b], lse[:, a:b] = _flash_forward(q[a:b], k[start:b], v[start:b], cu_q, cu_k, b - a, length, scale)
+            out[a:b], lse[:, a:b] = flash_forward(q[a:b], k[start:b], v[start:b], cu_q, cu_k, b - a, length, scale)
     if short_index.numel():
-        o, lse_s = _flash_forward(*(t.index_select(0, short_index) for t in (q, k, v)), short_cu, short_cu, bound,
+        o, lse_s = flash_forward(*(t.index_select(0, short_index) for t in (q, k, v)), short_cu, short_cu, bound,
                                   bound, scale)
         out.index_copy_(0, short_index, o)
         lse.index_copy_(1, short_index, lse_s)

@@ -8,20 +8,39 @@ backend (the training path: documents masked from each other, no prompt x prompt
 then every unfinished document takes one token a step, so a step costs one forward for all of
 them. When the rotary frequencies change with the length (LongRoPE crossing its original
 window, dynamic NTK beyond it) the cached keys are stale, so the cache is rebuilt from the tokens.
+
+Prompts that begin alike (one haystack, each needle at its own depth) are prefilled once where
+they agree: the prompt that shares the most with the others is computed whole, and each of the
+others starts as a copy of its cache up to their common prefix and prefills only the rest.
 """
 
 from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 
+from .config import head_dim_refused
+from .cudnn_attention import flash_forward
 from .rope import depends_on_length, inverse_frequencies
 from .transformer import Transformer
 
 KERNEL = os.environ.get("LONGCTX_DECODE", "kernel") != "math"
 """On CUDA one new token attends through the Triton decode kernel (fox/decode.py);
 LONGCTX_DECODE=math keeps the plain PyTorch path there too (bench/decode.py times both)."""
+
+SHARED_PREFIX = os.environ.get("LONGCTX_SHARED_PREFIX", "on") != "off"
+"""Prompts prefill their common prefixes once (`share_plan`); LONGCTX_SHARED_PREFIX=off prefills
+every prompt whole (bench/eval_throughput.py --shared-prefix times both)."""
+SHARE_MIN_TOKENS = 4096
+SHARE_MIN_FRACTION = 0.5
+"""A prompt takes its prefix from another when they agree on at least this many tokens and this
+share of its own length. A forked prompt's rest attends over all its keys through
+FlashAttention-2, 1.46x slower than cuDNN at 64K: by the FLOPs of attention (72% of the 64K
+prefill) and of the per-token layers, a prompt sharing under ~45% of itself would cost more than
+prefilled whole. At 4K prompts (FlashAttention-2 either way) forking measured 0.95x, at 16K-64K
+1.07-1.09x (bench/results/eval-throughput-nvidia-h200-2026-12-03)."""
 
 
 def attend_cached(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lam_q: torch.Tensor | None,
@@ -110,14 +129,52 @@ class LayerCache:
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         if single:
             return self._step(q, lam_new, scale)
+        if q.is_cuda and lam_new is None and q.dtype in (torch.float16, torch.bfloat16) \
+                and not head_dim_refused("varlen", q.shape[-1]):
+            return self._continued(q, spans, starts, scale)
         out = []  # several new tokens after a cached part: a document at a time, causal among them
         for i, ((a, b), s) in enumerate(zip(spans, starts, strict=True)):
+            if a == b:
+                continue
             end = s + b - a
             lam = None if lam_new is None else lam_new[None, a:b]
             out.append(attend_cached(q[None, a:b], self.k[i:i + 1, :end], self.v[i:i + 1, :end], lam,
                                      None if lam is None else self.lam[i:i + 1, :end],
                                      torch.arange(s, end, device=q.device)[None], scale)[0])
         return torch.cat(out)
+
+    def _continued(self, q: torch.Tensor, spans: list[tuple[int, int]], starts: list[int],
+                   scale: float) -> torch.Tensor:
+        """New queries of several documents (some may have none) over each one's cached keys, its
+        new ones last, in one FlashAttention-2 call: its causal mask aligns a document's last
+        query with its last key. The keys are gathered packed (one copy of what is cached)."""
+        docs = [(i, b - a, s + b - a) for i, ((a, b), s) in enumerate(zip(spans, starts, strict=True)) if b > a]
+        keys = torch.cat([self.k[i, :end] for i, _, end in docs])
+        values = torch.cat([self.v[i, :end] for i, _, end in docs])
+        cu_q = torch.tensor(np.cumsum([0] + [n for _, n, _ in docs]), dtype=torch.int32, device=q.device)
+        cu_k = torch.tensor(np.cumsum([0] + [end for *_, end in docs]), dtype=torch.int32, device=q.device)
+        return flash_forward(q.contiguous(), keys, values, cu_q, cu_k, max(n for _, n, _ in docs),
+                             max(end for *_, end in docs), scale)[0]
+
+    def fork(self, sources: list[int], shared: list[int], rows: int) -> None:
+        """Append documents that begin as cached ones: the j-th holds the first shared[j] rows of
+        document sources[j]; room for `rows` rows each (and the reserve). Plain attention only
+        (FoX's gates and KV-shift carry state past each row)."""
+        if self.lam is not None or self.k_before is not None:
+            raise ValueError("a FoX cache cannot fork: its gates and KV-shift carry state past each row")
+        old, capacity = len(self.lengths), max(self.k.shape[1], rows + self.reserve)
+        device = self.k.device
+        index = torch.tensor(sources, device=device)
+        kept = torch.arange(self.k.shape[1], device=device)[None] < torch.tensor(shared, device=device)[:, None]
+
+        def forked(buf: torch.Tensor) -> torch.Tensor:
+            new = buf.new_zeros(old + len(sources), capacity, *buf.shape[2:])
+            new[:old, :buf.shape[1]] = buf
+            new[old:, :buf.shape[1]] = torch.where(kept[:, :, None, None], buf[index], 0)
+            return new
+
+        self.k, self.v = forked(self.k), forked(self.v)
+        self.lengths = self.lengths + list(shared)
 
     def _step(self, q: torch.Tensor, lam_new: torch.Tensor | None, scale: float) -> torch.Tensor:
         """One new query a document, q [B, H, D], over the documents' cached rows."""
@@ -171,6 +228,54 @@ class Cache(list):
         self.lengths = [self.lengths[i] for i in rows]
         self.frequencies = [self.frequencies[i] for i in rows]
 
+    def fork(self, sources: list[int], shared: list[int], rows: int) -> None:
+        """Append documents that begin as cached ones (LayerCache.fork), in every layer."""
+        for layer in self:
+            layer.fork(sources, shared, rows)
+        self.lengths = self.lengths + list(shared)
+        self.frequencies = self.frequencies + [self.frequencies[i] for i in sources]
+
+
+def common_prefixes(prompts: list[torch.Tensor]) -> np.ndarray:
+    """[B, B] on the host: how many tokens each pair of prompts [T_b] begins with alike."""
+    lengths = torch.tensor([p.numel() for p in prompts])
+    grid = torch.full((len(prompts), int(lengths.max())), -1, dtype=torch.int64, device=prompts[0].device)
+    for i, p in enumerate(prompts):
+        grid[i, :p.numel()] = p
+    agree = []
+    for i in range(len(prompts)):
+        differ = grid != grid[i]
+        agree.append(torch.where(differ.any(1), differ.int().argmax(1), grid.shape[1]))
+    shortest = torch.minimum(lengths[:, None], lengths[None, :])
+    return torch.minimum(torch.stack(agree).cpu(), shortest).numpy()
+
+
+def share_plan(agree: np.ndarray, lengths: list[int], allowed: np.ndarray | None, min_tokens: int,
+               min_fraction: float) -> list[tuple[int, int]]:
+    """(source, shared tokens) for each prompt, source -1 for one prefilled whole. `agree`: the
+    common prefixes (`common_prefixes`); `allowed[i, j]`: whether j may take i's keys at all
+    (the same rotary frequencies); a prompt shares only `min_tokens` and `min_fraction` of its
+    length or more. Greedily, the prompt whose prefix the remaining others would
+    share the most tokens of is computed whole and those others fork from it; a forked prompt
+    keeps at least one token of its own (its last, whose logits it needs)."""
+    n = len(lengths)
+    size = np.asarray(lengths)
+    worth = np.minimum(agree, size[None, :] - 1)
+    worth = np.where((worth >= min_tokens) & (worth >= min_fraction * size[None, :]), worth, 0)
+    np.fill_diagonal(worth, 0)
+    if allowed is not None:
+        worth = np.where(allowed, worth, 0)
+    plan, free = [(-1, 0)] * n, np.ones(n, dtype=bool)
+    while free.any():
+        gain = np.where(free, (worth * free[None, :]).sum(1), -1)
+        source = int(gain.argmax())
+        if gain[source] <= 0:
+            break
+        free[source] = False
+        for j in np.flatnonzero(free & (worth[source] > 0)):
+            plan[j], free[j] = (source, int(worth[source, j])), False
+    return plan
+
 
 def _frequencies(model: Transformer, length: int) -> torch.Tensor | None:
     rope = model.cfg.rope
@@ -186,12 +291,45 @@ def _last_logits(model: Transformer, ids: torch.Tensor, bounds: list[int], cache
     return model.lm_head(hidden[torch.tensor(bounds[1:], device=hidden.device) - 1])
 
 
+def _shareable(model: Transformer) -> bool:
+    """Whether a document's cached rows depend on nothing after them (plain attention: not
+    FoX's gates nor ALiBi's decay, carried as gates)."""
+    return model.cfg.fox is None and not model.cfg.alibi
+
+
+def _prefill(model: Transformer, prompts: list[torch.Tensor], reserve: int,
+             share: bool) -> tuple[Cache, torch.Tensor, list[int]]:
+    """(cache, next-token logits, order): the prompts' indices in the order of the cache's
+    documents (those prefilled whole first, then those forked from them)."""
+    plan = [(-1, 0)] * len(prompts)
+    if share and len(prompts) > 1 and _shareable(model):
+        lengths = [p.numel() for p in prompts]
+        freqs = [_frequencies(model, n) for n in lengths]
+        allowed = np.array([[f is None and g is None or f is not None and g is not None and torch.equal(f, g)
+                             for g in freqs] for f in freqs])
+        plan = share_plan(common_prefixes(prompts), lengths, allowed, SHARE_MIN_TOKENS, SHARE_MIN_FRACTION)
+    whole = [i for i, (source, _) in enumerate(plan) if source < 0]
+    forked = [i for i, (source, _) in enumerate(plan) if source >= 0]
+    cache = Cache(model.cfg.n_layers, len(whole), reserve)
+    bounds = np.cumsum([0] + [prompts[i].numel() for i in whole]).tolist()
+    logits = _last_logits(model, torch.cat([prompts[i] for i in whole]), bounds, cache)
+    if forked:
+        cache.fork([whole.index(plan[j][0]) for j in forked], [plan[j][1] for j in forked],
+                   max(prompts[j].numel() for j in forked))
+        rests = [prompts[j][plan[j][1]:] for j in forked]
+        bounds = [0] * len(whole) + np.cumsum([0] + [r.numel() for r in rests]).tolist()
+        logits = torch.cat((logits, _last_logits(model, torch.cat(rests), bounds, cache)[len(whole):]))
+    return cache, logits, whole + forked
+
+
 @torch.no_grad()
 def generate_batch(model: Transformer, prompts: list[torch.Tensor], max_new_tokens: int | list[int],
-                   eos_id: int | None = None) -> list[torch.Tensor]:
+                   eos_id: int | None = None, share: bool | None = None) -> list[torch.Tensor]:
     """Greedy continuations of several prompts [T_b] at once; returns each prompt + its new
     tokens (up to its max_new_tokens, or through eos_id). The same tokens as one prompt at a
-    time, up to float rounding: a document never sees another."""
+    time, up to float rounding: a document never sees another. `share`: common prefixes
+    prefilled once (default SHARED_PREFIX)."""
+    share = SHARED_PREFIX if share is None else share
     if isinstance(max_new_tokens, int):
         max_new_tokens = [max_new_tokens] * len(prompts)
     tokens = [p.reshape(-1).clone() for p in prompts]
@@ -203,12 +341,9 @@ def generate_batch(model: Transformer, prompts: list[torch.Tensor], max_new_toke
         stale = cache is not None and any(
             f is not None and not torch.equal(f, c) for f, c in zip(freqs, cache.frequencies, strict=True))
         if cache is None or stale:  # prefill (again, with the new frequencies): every active prompt, packed
-            cache = Cache(model.cfg.n_layers, len(active),
-                          max(max_new_tokens[i] - tokens[i].numel() + prompts[i].numel() for i in active))
-            bounds = [0]
-            for i in active:
-                bounds.append(bounds[-1] + tokens[i].numel())
-            logits = _last_logits(model, torch.cat([tokens[i] for i in active]), bounds, cache)
+            reserve = max(max_new_tokens[i] - tokens[i].numel() + prompts[i].numel() for i in active)
+            cache, logits, order = _prefill(model, [tokens[i] for i in active], reserve, share)
+            active, freqs = [active[r] for r in order], [freqs[r] for r in order]
         else:
             logits = _last_logits(model, new_ids, list(range(len(active) + 1)), cache)
         cache.frequencies = freqs
