@@ -6,10 +6,8 @@ left-padded into batches of --peer-batch); the prefill alone as prefill tokens/s
 of the GPU's dense bf16 peak (2 FLOPs per non-embedding parameter per token plus causal
 attention, as the training MFU counts); FoX (Pro) with ours beside. Random weights (speed does
 not depend on them); the answers of every mode are compared with batched ours. The tasks and
-depths are the gpu-64k profile's eval; `--shared-prefix` times ours with the prompts' common
-prefixes prefilled once (model/decode.py, the default), their rests attending in two parts merged
-(`cascade`, the default) or in one FlashAttention-2 call (`flash`), and with every prompt whole
-(`off`), each mode's answers compared with the first's.
+depths are the gpu-64k profile's eval; `--shared-prefix both` times ours with the prompts'
+common prefixes prefilled once (model/decode.py, the default) and with every prompt whole.
 
     python bench/eval_throughput.py --tokenizer data/tokens/tokenizer --out bench/results
 """
@@ -35,8 +33,6 @@ from longctx.train.loop import flop_params, peak_flops
 from longctx.train.models import build
 
 EVAL = config.resolve({"profile": "gpu-64k"}).eval
-MODES = {"cascade": (True, True), "flash": (True, False), "off": (False, False)}
-"""--shared-prefix: (decode.SHARED_PREFIX, decode.CASCADE)."""
 
 
 def model(fox: bool, vocab: int, window: int) -> Transformer:
@@ -138,9 +134,8 @@ def main() -> None:
     parser.add_argument("--tasks", nargs="+", default=list(EVAL.tasks), help="default: the gpu-64k profile's")
     parser.add_argument("--depths", type=float, nargs="+", default=list(EVAL.depths),
                         help="needle depths, cycling over a task's prompts (default: the gpu-64k profile's)")
-    parser.add_argument("--shared-prefix", nargs="+", choices=list(MODES), default=list(MODES),
-                        help="ours, timed in each mode given: common prefixes prefilled once, their rests "
-                             "attending in two parts (cascade) or one flash call (flash); every prompt whole (off)")
+    parser.add_argument("--shared-prefix", choices=["on", "off", "both"], default="both",
+                        help="ours: common prefixes prefilled once (on), every prompt whole (off), or both timed")
     args = parser.parse_args()
     tok = TextTokenizer.load(args.tokenizer)
     enc = suite.Encoder(tok, chat=False)
@@ -173,16 +168,15 @@ def main() -> None:
                     row["kernels"] = kernels(m, encoded, args.batch_tokens)
                     for k in row["kernels"]:
                         print(f"  {k['share']:>6.1%} {k['ms']:>9.1f} ms {k['calls']:>6}  {k['kernel']}")
-                want = None
-                for mode in args.shared_prefix:
-                    decode.SHARED_PREFIX, decode.CASCADE = MODES[mode]
-                    timing, got = timed(ours, enc, prompts, encoded, args.batch_tokens)
-                    if want is None:
-                        row["batched"], want = {**timing, "mode": mode}, got
-                    else:
-                        row[mode] = {**timing, "same_answers": sum(a == b for a, b in zip(got, want, strict=True))}
-                        row[f"vs_{mode}"] = round(row["batched"]["prompts_per_s"] / timing["prompts_per_s"], 2)
-                decode.SHARED_PREFIX, decode.CASCADE = MODES["cascade"]
+                decode.SHARED_PREFIX = args.shared_prefix != "off"
+                row["batched"], want = timed(ours, enc, prompts, encoded, args.batch_tokens)
+                row["batched"]["shared_prefix"] = decode.SHARED_PREFIX
+                if args.shared_prefix == "both":
+                    decode.SHARED_PREFIX = False
+                    row["unshared"], got = timed(ours, enc, prompts, encoded, args.batch_tokens)
+                    row["unshared"]["same_answers"] = sum(a == b for a, b in zip(got, want, strict=True))
+                    row["vs_unshared"] = round(row["batched"]["prompts_per_s"] / row["unshared"]["prompts_per_s"], 2)
+                    decode.SHARED_PREFIX = True
                 if args.alone:
                     row["one_at_a_time"], got = timed(ours, enc, prompts, encoded, 1)
                     row["one_at_a_time"]["same_answers"] = sum(a == b for a, b in zip(got, want, strict=True))
@@ -199,16 +193,14 @@ def main() -> None:
                 print(row, flush=True)
             del m
             torch.cuda.empty_cache()
-    others = args.shared_prefix[1:]
-    print(f"{'model':<12} {'length':>7} {args.shared_prefix[0] + ' p/s':>11} "
-          + "".join(f"{m + ' p/s':>11} {'x':>5} " for m in others)
-          + f"{'1-at-a-time':>11} {'transformers':>12} {'x HF':>5} {'prefill tok/s':>13} {'of peak':>7} {'build s':>7}")
+    print(f"{'model':<12} {'length':>7} {'prompts/s':>10} {'unshared':>9} {'x':>5} {'1-at-a-time':>11} "
+          f"{'transformers':>12} {'x HF':>5} {'prefill tok/s':>13} {'of peak':>7} {'build s':>7}")
     for r in rows:
         peer = r.get("transformers", {}).get("prompts_per_s", "-")
         alone = r.get("one_at_a_time", {}).get("prompts_per_s", "-")
-        modes = "".join(f"{r[m]['prompts_per_s']:>11} {r[f'vs_{m}']:>5} " for m in others)
-        print(f"{r['model']:<12} {r['length']:>7} {r['batched']['prompts_per_s']:>11} {modes}"
-              f"{alone:>11} {peer:>12} {r.get('vs_transformers', '-'):>5} "
+        whole = r.get("unshared", {}).get("prompts_per_s", "-")
+        print(f"{r['model']:<12} {r['length']:>7} {r['batched']['prompts_per_s']:>10} {whole:>9} "
+              f"{r.get('vs_unshared', '-'):>5} {alone:>11} {peer:>12} {r.get('vs_transformers', '-'):>5} "
               f"{r['prefill_tokens_per_s']:>13} {r['prefill_flop_fraction']:>7} {r['build_seconds']:>7}")
     write_result(args.out, "eval_throughput", {"shape": "gpu-64k model (d768, 12 layers)", "tasks": args.tasks,
                                                 "depths": args.depths, "per_task": args.per_task,

@@ -213,16 +213,11 @@ def test_prompts_with_a_common_prefix_get_what_each_gets_alone(name, monkeypatch
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("cascade", [False, True])
-def test_queries_after_a_cached_part_attend_as_float64_on_cuda(cascade):
+def test_queries_after_a_cached_part_attend_in_one_flash_call_on_cuda():
     """Three cached documents (300, 40 and 1,000 rows of grouped keys), new tokens for two of
-    them (none for the second): FlashAttention-2's bottom-right causal call, or under the cuDNN
-    backend the two parts merged (cached rows through cuDNN, new rows causal), give what the
+    them (none for the second): FlashAttention-2's bottom-right causal call gives what the
     float64 softmax gives, a document's new rows seeing its cached rows and its earlier new ones."""
-    from longctx.model import attention
-    from longctx.model.decode import CASCADE, attend_cached
-
-    assert CASCADE
+    from longctx.model.decode import attend_cached
 
     gen = torch.Generator().manual_seed(5)
     h, hk, d, cached, new = 8, 2, 64, [300, 40, 1000], [77, 0, 500]
@@ -234,7 +229,7 @@ def test_queries_after_a_cached_part_attend_as_float64_on_cuda(cascade):
     q = torch.randn(sum(new), h, d, generator=gen).cuda().bfloat16()
     k_new, v_new = (torch.randn(sum(new), hk, d, generator=gen).cuda().bfloat16() for _ in range(2))
     bounds = np.cumsum([0] + new).tolist()
-    got = cache.attend(q, k_new, v_new, None, bounds, attention.cudnn if cascade else None)
+    got = cache.attend(q, k_new, v_new, None, bounds)
     assert cache.lengths == [a + b for a, b in zip(cached, new, strict=True)]
     for i in (0, 2):
         a, b = bounds[i], bounds[i + 1]

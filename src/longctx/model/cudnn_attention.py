@@ -66,17 +66,12 @@ def padded_length(length: int) -> int:
     return -(-length // _step(length)) * _step(length)
 
 
-def plan_floor(length: int) -> int:
-    """The plan size at or below the length (0 for none)."""
-    return length // _step(length) * _step(length) if length else 0
-
-
 def plan_size(start: int, length: int, end: int) -> int:
     """The rows cuDNN takes of the document at [start, start + length) in a batch of `end` tokens:
     the padded length where the batch holds that many rows from its start, else the plan size
     below its length (its last rows are FlashAttention-2's)."""
     padded = padded_length(length)
-    return padded if start + padded <= end else plan_floor(length)
+    return padded if start + padded <= end else length // _step(length) * _step(length)
 
 
 @dataclass(frozen=True)

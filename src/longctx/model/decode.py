@@ -21,7 +21,6 @@ import os
 import numpy as np
 import torch
 
-from . import attention, cudnn_attention
 from .config import head_dim_refused
 from .cudnn_attention import flash_forward
 from .rope import depends_on_length, inverse_frequencies
@@ -42,12 +41,6 @@ FlashAttention-2, 1.46x slower than cuDNN at 64K: by the FLOPs of attention (72%
 prefill) and of the per-token layers, a prompt sharing under ~45% of itself would cost more than
 prefilled whole. At 4K prompts (FlashAttention-2 either way) forking measured 0.95x, at 16K-64K
 1.07-1.09x (bench/results/eval-throughput-nvidia-h200-2026-12-03)."""
-CASCADE = os.environ.get("LONGCTX_SHARED_ATTENTION", "cascade") == "cascade"
-"""Under the cuDNN backend a forked prompt's rest attends in two parts merged by their
-log-sum-exps: over the shared keys (no mask) through cuDNN, one call a prompt, and over its own
-new keys (causal) through the backend's document attention; the shared lengths are then cuDNN
-plan sizes (`cudnn_attention.plan_floor`). LONGCTX_SHARED_ATTENTION=flash: one FlashAttention-2
-call over all the keys instead (bench/eval_throughput.py --cascade both times both)."""
 
 
 def attend_cached(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lam_q: torch.Tensor | None,
@@ -138,8 +131,6 @@ class LayerCache:
             return self._step(q, lam_new, scale)
         if q.is_cuda and lam_new is None and q.dtype in (torch.float16, torch.bfloat16) \
                 and not head_dim_refused("varlen", q.shape[-1]):
-            if _cudnn(backend) and CASCADE:
-                return self._cascade(q, k, v, bounds, starts, scale)
             return self._continued(q, spans, starts, scale)
         out = []  # several new tokens after a cached part: a document at a time, causal among them
         for i, ((a, b), s) in enumerate(zip(spans, starts, strict=True)):
@@ -164,33 +155,6 @@ class LayerCache:
         cu_k = torch.tensor(np.cumsum([0] + [end for *_, end in docs]), dtype=torch.int32, device=q.device)
         return flash_forward(q.contiguous(), keys, values, cu_q, cu_k, max(n for _, n, _ in docs),
                              max(end for *_, end in docs), scale)[0]
-
-    def _cascade(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: list[int], starts: list[int],
-                 scale: float) -> torch.Tensor:
-        """New queries of several documents over each one's cached rows (all visible: one cuDNN
-        call a document, its queries padded to a plan size) and over its own new rows (causal: the
-        documents' attention of cudnn_attention), the two merged by their log-sum-exps."""
-        width = q.shape[1] * q.shape[2]
-        plan = cudnn_attention.plan(bounds, q.device, width)
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        own, lse = cudnn_attention.doc_attention(q, k, v, plan.long_docs, plan.short_index, plan.short_cu,
-                                                 plan.long_doc, scale)
-        out = own.float()
-        for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
-            cached = starts[i]
-            if a == b or not cached:
-                continue
-            rows = cudnn_attention.padded_length(b - a)
-            queries = q.new_zeros(rows, *q.shape[1:])
-            queries[:b - a] = q[a:b]
-            dense = [t.transpose(0, 1)[None] for t in (queries, self.k[i, :cached], self.v[i, :cached])]
-            seen, seen_lse = torch.ops.aten._scaled_dot_product_cudnn_attention(*dense, None, True, 0.0, False, False,
-                                                                                 scale=scale)[:2]
-            seen, seen_lse = seen[0, :, :b - a].transpose(0, 1).float(), seen_lse[0, :, :b - a, 0]
-            top = torch.maximum(lse[:, a:b], seen_lse)
-            w_own, w_seen = torch.exp(lse[:, a:b] - top).T[..., None], torch.exp(seen_lse - top).T[..., None]
-            out[a:b] = (out[a:b] * w_own + seen * w_seen) / (w_own + w_seen)
-        return out.to(q.dtype)
 
     def fork(self, sources: list[int], shared: list[int], rows: int) -> None:
         """Append documents that begin as cached ones: the j-th holds the first shared[j] rows of
@@ -327,11 +291,6 @@ def _last_logits(model: Transformer, ids: torch.Tensor, bounds: list[int], cache
     return model.lm_head(hidden[torch.tensor(bounds[1:], device=hidden.device) - 1])
 
 
-def _cudnn(backend) -> bool:
-    """Whether a layer's attention backend is the 'cudnn' one (bound to its plan or not)."""
-    return getattr(backend, "func", backend) is attention.cudnn
-
-
 def _shareable(model: Transformer) -> bool:
     """Whether a document's cached rows depend on nothing after them (plain attention: not
     FoX's gates nor ALiBi's decay, carried as gates)."""
@@ -349,8 +308,6 @@ def _prefill(model: Transformer, prompts: list[torch.Tensor], reserve: int,
         allowed = np.array([[f is None and g is None or f is not None and g is not None and torch.equal(f, g)
                              for g in freqs] for f in freqs])
         plan = share_plan(common_prefixes(prompts), lengths, allowed, SHARE_MIN_TOKENS, SHARE_MIN_FRACTION)
-        if CASCADE and prompts[0].is_cuda:  # cuDNN builds a plan per key length: a few sizes an octave
-            plan = [(source, cudnn_attention.plan_floor(n)) for source, n in plan]
     whole = [i for i, (source, _) in enumerate(plan) if source < 0]
     forked = [i for i, (source, _) in enumerate(plan) if source >= 0]
     cache = Cache(model.cfg.n_layers, len(whole), reserve)
