@@ -1,8 +1,10 @@
-"""The main command: `python -m pipelines [WORKSPACE]` runs the whole pipeline (corpora to eval)
-through the Prefect flow, then prints each checkpoint's key scores and how to open MLflow."""
+"""The main command: `python -m pipelines [WORKSPACE] [--gpus IDS]` runs the whole pipeline
+(corpora to eval) through the Prefect flow, then prints each checkpoint's key scores and how to
+open MLflow."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import shlex
 import sys
@@ -20,15 +22,42 @@ os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DVC_NO_ANALYTICS", "1")
 
-from .flows import StageFailed, pipeline, workspace_lock  # noqa: E402
+from .flows import StageFailed, gpu_ids, pipeline, workspace_lock  # noqa: E402
 from .server import prefect_api  # noqa: E402
 
 
+def arguments(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line: the workspace, the GPUs; `--help` says so (a flag is never a path)."""
+    parser = argparse.ArgumentParser(prog="python -m pipelines", description=__doc__.split("\n\n")[0])
+    parser.add_argument("workspace", nargs="?", default=".", type=Path,
+                        help="the project folder with params.yaml and dvc.yaml (default: the current one)")
+    parser.add_argument("--gpus", metavar="IDS", help="GPUs the GPU stages share, comma-separated (e.g. 0,1); "
+                        "sets LONGCTX_GPUS (default: that variable, else the CPU)")
+    args = parser.parse_args(argv)
+    if args.gpus is not None and not all(g.strip().isdigit() for g in args.gpus.split(",")):
+        parser.error(f"--gpus: {args.gpus!r} is not a comma-separated list of GPU ids such as 0,1")
+    return args
+
+
+def gpus_present() -> None:
+    """LONGCTX_GPUS naming GPUs on a machine without CUDA, said before the run: its stages would
+    fall back to the CPU, a GPU profile for hours."""
+    import torch
+
+    if (ids := gpu_ids()) and not torch.cuda.is_available():
+        raise LongctxError(f"LONGCTX_GPUS={','.join(ids)} names GPUs, but this machine has no CUDA device (torch "
+                           f"{torch.__version__}): unset it (or drop --gpus) to run on the CPU")
+
+
 def main() -> None:
-    ws = Path(sys.argv[1] if len(sys.argv) > 1 else ".").resolve()
+    args = arguments()
+    if args.gpus is not None:
+        os.environ["LONGCTX_GPUS"] = ",".join(g.strip() for g in args.gpus.split(","))
+    ws = args.workspace.resolve()
     start = time.perf_counter()
-    try:  # bad params, or another run in this workspace: one line, before Prefect starts
+    try:  # bad params, GPUs named where there are none, or another run here: one line, before Prefect starts
         params = load(ws / "params.yaml")
+        gpus_present()
         with workspace_lock(ws):
             pass
     except LongctxError as e:

@@ -109,6 +109,9 @@ def test_params_file_errors(tmp_path):
                    "train: {base: {steps: 3}}\nx: &run {steps: 2, lr: 1.0e-3}\n")
     with pytest.raises(ConfigError, match=r"x: unknown key"):  # parsed (anchors work), then refused by name
         config.load(bad)
+    bad.write_text("eval: " + "[" * 3000 + "]" * 3000 + "\n")  # past the YAML reader's recursion
+    with pytest.raises(ConfigError, match=r"bad\.yaml: not valid params: nested too deeply"):
+        config.load(bad)
     for key in ("tasks", "lengths"):  # nothing to evaluate is a mistake, not a run
         bad.write_text(f"profile: tiny\neval: {{{key}: []}}\n")
         with pytest.raises(ConfigError, match=rf"eval\.{key}: List should have at least 1 item"):

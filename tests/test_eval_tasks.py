@@ -29,6 +29,17 @@ def haystack(small_project, enc) -> str:
     return enc.tok.tok.decode(first.input_ids[:first.doc_lens[0]].tolist())
 
 
+def test_a_length_too_short_for_a_tasks_fixed_text_is_an_eval_lengths_error(enc, haystack):
+    """Where the question, needles and answer prefix alone overflow the length (JSON KV's raw
+    IndexError before): the task, the length and the tokens it needs, as a config error."""
+    from longctx.errors import ConfigError
+
+    for task in ("json_kv", "passkey"):
+        with pytest.raises(ConfigError, match=rf"eval\.lengths: 16 tokens cannot hold a {task} prompt: its "
+                                              r"question, needles and answer prefix take \d+ tokens"):
+            tasks.build(task, tasks.Budget(enc.count, 16), np.random.default_rng(0), 0.5, haystack)
+
+
 @pytest.mark.parametrize("task", tasks.TASKS)
 @pytest.mark.parametrize("length", [512, 2048])
 def test_every_task_fills_its_length_and_holds_its_answer(enc, haystack, task, length):

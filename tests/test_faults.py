@@ -28,6 +28,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from conftest import REPO, SMALL, dvc_workspace, sh, stage_process, write_params
 from longctx.config import merge
@@ -229,6 +230,9 @@ CASES = {
     "eval_lengths_past_every_window": Case("eval", {"eval": {"lengths": [256, 100000]}},
                                            r"eval\.lengths: \[100000\] exceed every checkpoint's window "
                                            r"\(the longest is 256\)", setup=_every_checkpoint),
+    "eval_length_too_short": Case("eval", {"eval": {"lengths": [16]}},
+                                  r"eval\.lengths: 16 tokens cannot hold a \w+ prompt: its question, needles and "
+                                  r"answer prefix take \d+ tokens", setup=_every_checkpoint),
     "no_long_documents": Case("tokenize", {}, r"data/corpora/books\.parquet: domain 'books' kept no documents: none of "
                               r"its 28 documents has >= 512 tokens \(the longest has \d+\)", setup=_short_books),
     "nan_loss": Case("base", {"train": {"base": {"lr": 1e30}}},
@@ -435,6 +439,34 @@ def test_the_main_command_refuses_bad_params_and_a_busy_workspace_in_one_line(tm
     assert done.stderr.strip() == (f"longctx pipeline: {ws}: another longctx pipeline run holds this workspace "
                                    "(flow run busy-bee (pid 1)); wait for it or use another clone")
     assert not (ws / "data").exists()
+
+
+def test_the_main_command_line_takes_help_a_workspace_and_gpus(capsys, tmp_path):
+    """`--help` is help, not a workspace path; a second path or a bad --gpus is a usage error (exit 2)."""
+    from pipelines.__main__ import arguments
+
+    with pytest.raises(SystemExit) as done:
+        arguments(["--help"])
+    assert done.value.code == 0 and "--gpus IDS" in capsys.readouterr().out
+    args = arguments([str(tmp_path), "--gpus", "0, 1"])
+    assert args.workspace == tmp_path and args.gpus == "0, 1"
+    for wrong, said in (([str(tmp_path), "extra"], "unrecognized arguments: extra"),
+                        (["--gpus", "cuda:0"], "--gpus: 'cuda:0' is not a comma-separated list")):
+        with pytest.raises(SystemExit) as done:
+            arguments(wrong)
+        assert done.value.code == 2 and said in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
+def test_the_main_command_refuses_gpus_a_machine_without_cuda_lacks(monkeypatch):
+    from longctx.errors import LongctxError
+    from pipelines.__main__ import gpus_present
+
+    monkeypatch.delenv("LONGCTX_GPUS", raising=False)
+    gpus_present()
+    monkeypatch.setenv("LONGCTX_GPUS", "0,1")
+    with pytest.raises(LongctxError, match=r"LONGCTX_GPUS=0,1 names GPUs, but this machine has no CUDA device"):
+        gpus_present()
 
 
 @pytest.mark.parametrize("stage", ["eval", "tokenize"])

@@ -70,6 +70,8 @@ def _read_yaml(path: Path, what: str) -> dict:
         raise ConfigError(f"{where}: not valid YAML: {what}") from None
     except (yaml.YAMLError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: not valid params: nested too deeply for the YAML reader") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -22,7 +22,7 @@ import numpy as np
 
 from ..config import EvalParams
 from ..errors import DataError
-from .tasks import Budget, Prompt
+from .tasks import Budget, Prompt, fitting
 
 KINDS = ("icl", "rag", "rerank", "narrativeqa", "summ")
 JUDGED = {"narrativeqa": "GPT-4o judge (HELMET) not computed; ROUGE-L F1 reported",
@@ -151,8 +151,9 @@ def prompts(results: dict, name: str, count: Callable[[str], int], ec: EvalParam
         for length in lengths:
             for i in range(ec.samples):
                 rng = np.random.default_rng([ec.seed, length, i, len(ds_name)])
-                out.append(build(src, rows, Budget(count, length, reserve=24), rng, ec.depths[i % len(ec.depths)],
-                                 ds_name))
+                budget = Budget(count, length, reserve=24)
+                with fitting(f"helmet:{ds_name}", budget):
+                    out.append(build(src, rows, budget, rng, ec.depths[i % len(ec.depths)], ds_name))
         if spec.kind in JUDGED:
             results["not_computed"][f"helmet:{ds_name}"] = JUDGED[spec.kind]
     return out

@@ -10,16 +10,18 @@ validation text, JSON pairs, list words, demonstrations) grows until the prompt 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import re
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from ..config import EvalParams
+from ..errors import ConfigError
 from .metrics import METRICS
 
 NOISE = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ")
@@ -54,6 +56,14 @@ def score(prompt: Prompt, output: str) -> float:
 # ---------------------------------------------------------------- filling to a token length
 
 
+class TooShort(ValueError):
+    """The length leaves no room for a prompt's filler: its fixed text alone takes `fixed` tokens."""
+
+    def __init__(self, fixed: int):
+        super().__init__(f"the fixed text takes {fixed} tokens")
+        self.fixed = fixed
+
+
 class Budget:
     """Counts tokens of text pieces with the model's tokenizer. `reserve` tokens are kept free
     for what wraps the prompt (BOS, chat markers, separators; tokens do not add up exactly
@@ -78,7 +88,7 @@ class Budget:
         after four guesses inside the bracket it bisects, so it always ends."""
         room = self.length - self.reserve - self.tokens(fixed)
         if room <= 0:
-            return []
+            raise TooShort(self.tokens(fixed))
         lo, c_lo, hi, c_hi = 0, 0, None, 0
         n, guesses = start, 0
         while True:
@@ -329,4 +339,16 @@ def build(task: str, budget: Budget, rng: np.random.Generator, depth: float, tex
     """One prompt of a task at budget.length tokens."""
     if task not in BUILDERS:
         raise ValueError(f"unknown task {task!r} (known: {TASKS})")
-    return BUILDERS[task](budget, rng, depth, text_haystack)
+    with fitting(task, budget):
+        return BUILDERS[task](budget, rng, depth, text_haystack)
+
+
+@contextlib.contextmanager
+def fitting(task: str, budget: Budget) -> Iterator[None]:
+    """A prompt whose fixed text overflows its length, said as the eval.lengths error it is."""
+    try:
+        yield
+    except TooShort as e:
+        raise ConfigError(f"eval.lengths: {budget.length} tokens cannot hold a {task} prompt: its question, "
+                          f"needles and answer prefix take {e.fixed} tokens and the template {budget.reserve}; "
+                          "give longer lengths") from None
