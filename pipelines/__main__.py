@@ -5,16 +5,13 @@ open MLflow."""
 from __future__ import annotations
 
 import argparse
+import configparser
 import os
 import shlex
+import subprocess
 import sys
 import time
 from pathlib import Path
-
-from longctx.config import TrackingParams, load
-from longctx.errors import LongctxError
-from longctx.eval.summary import summary
-from longctx.tracking import experiment_id, tracking_uri
 
 # without a Prefect server, the flow starts a temporary one; a loaded 2-core machine needs longer
 # than the default 20 s, and telemetry is of no use here
@@ -22,8 +19,17 @@ os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DVC_NO_ANALYTICS", "1")
 
-from .flows import StageFailed, gpu_ids, pipeline, workspace_lock  # noqa: E402
-from .server import prefect_api  # noqa: E402
+try:  # Ctrl-C in the first seconds, while Prefect and the rest import: one line, not a traceback
+    from longctx.config import TrackingParams, load
+    from longctx.errors import LongctxError
+    from longctx.eval.summary import summary
+    from longctx.tracking import experiment_id, tracking_uri
+
+    from .flows import StageFailed, gpu_ids, pipeline, workspace_lock
+    from .server import prefect_api
+except KeyboardInterrupt:
+    print("longctx pipeline: interrupted while starting; nothing ran", file=sys.stderr)
+    sys.exit(130)
 
 
 def arguments(argv: list[str] | None = None) -> argparse.Namespace:
@@ -39,12 +45,30 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def versioned(ws: Path) -> None:
+    """A workspace DVC can run in: a git work tree, or DVC set to run without git (core.no_scm);
+    said before the run (in a downloaded archive DVC failed the first stage after ~30 s)."""
+    try:
+        inside = subprocess.run(["git", "-C", str(ws), "rev-parse", "--is-inside-work-tree"], capture_output=True,
+                                text=True).returncode == 0
+    except FileNotFoundError:
+        inside = False
+    dvc = configparser.ConfigParser()
+    dvc.read(ws / ".dvc" / "config")
+    if inside or dvc.getboolean("core", "no_scm", fallback=False):
+        return
+    raise LongctxError(f"{ws}: not a git repository, which DVC runs in: `git init && git add -A && git commit -m "
+                       "start` there, or `dvc config core.no_scm true` to run without git")
+
+
 def gpus_present() -> None:
     """LONGCTX_GPUS naming GPUs on a machine without CUDA, said before the run: its stages would
     fall back to the CPU, a GPU profile for hours."""
-    import torch
+    if not (ids := gpu_ids()):
+        return
+    import torch  # (only then: the main command imports no torch of its own)
 
-    if (ids := gpu_ids()) and not torch.cuda.is_available():
+    if not torch.cuda.is_available():
         raise LongctxError(f"LONGCTX_GPUS={','.join(ids)} names GPUs, but this machine has no CUDA device (torch "
                            f"{torch.__version__}): unset it (or drop --gpus) to run on the CPU")
 
@@ -57,6 +81,7 @@ def main() -> None:
     start = time.perf_counter()
     try:  # bad params, GPUs named where there are none, or another run here: one line, before Prefect starts
         params = load(ws / "params.yaml")
+        versioned(ws)
         gpus_present()
         with workspace_lock(ws):
             pass

@@ -457,6 +457,37 @@ def test_the_main_command_line_takes_help_a_workspace_and_gpus(capsys, tmp_path)
         assert done.value.code == 2 and said in capsys.readouterr().err
 
 
+def test_the_main_command_says_git_init_where_there_is_no_repository(tmp_path):
+    """A downloaded archive (no .git): refused before the run, with what to do; a git work tree,
+    or DVC set to run without git, passes."""
+    from longctx.errors import LongctxError
+    from pipelines.__main__ import versioned
+
+    with pytest.raises(LongctxError, match=r"not a git repository, which DVC runs in: `git init && git add -A"):
+        versioned(tmp_path)
+    (tmp_path / ".dvc").mkdir()
+    (tmp_path / ".dvc/config").write_text("[core]\n    no_scm = True\n")
+    versioned(tmp_path)
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    sh(["git", "init", "-q"], repo, dict(os.environ))
+    versioned(repo)
+
+
+def test_ctrl_c_while_the_main_command_imports_is_one_line(tmp_path):
+    """SIGINT once the imports are under way (pydantic's compiled core mapped, Prefect still to
+    come): exit 130 and one line, no KeyboardInterrupt traceback."""
+    proc = subprocess.Popen([sys.executable, "-m", "pipelines", str(tmp_path)], cwd=REPO, stderr=subprocess.PIPE,
+                            text=True)
+    maps = Path(f"/proc/{proc.pid}/maps")
+    deadline = time.monotonic() + 60
+    while "pydantic_core" not in maps.read_text() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and err.strip() == "longctx pipeline: interrupted while starting; nothing ran", err
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
 def test_the_main_command_refuses_gpus_a_machine_without_cuda_lacks(monkeypatch):
     from longctx.errors import LongctxError
