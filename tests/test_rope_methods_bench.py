@@ -18,7 +18,7 @@ def test_every_method_is_scored_zero_shot_and_fine_tuned(small_project, tmp_path
     env = {**os.environ, "OMP_NUM_THREADS": "2"}
     cmd = [sys.executable, "-m", "bench.rope_methods", "--tokens", str(small_project / "data/tokens"),
            "--long", str(small_project / "data/packed/stage2/val"), "--packed", str(small_project / "data/packed"),
-           "--seeds", "0", "--base", "steps=8", "batch=4", "seq_len=64", "d_model=32", "n_layers=1", "n_heads=2",
+           "--seeds", "0", "--base", "steps=8", "batch=4", "seq_len=128", "d_model=32", "n_layers=1", "n_heads=2",
            "ffn_dim=64", "--tune", "steps=3", "batch=2", "--search", "population=4", "generations=1",
            "sequences=1", "table_sequences=2", "--prompts", "1", "--out", str(tmp_path)]
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
@@ -28,7 +28,7 @@ def test_every_method_is_scored_zero_shot_and_fine_tuned(small_project, tmp_path
     out = json.loads(path.read_text())
     assert path.with_suffix(".png").stat().st_size > 10_000
     (r,) = out["results"]
-    assert out["window"] == 64 and list(r["methods"]) == ["original", "pi", "ntk", "yarn", "base_change", "longrope2",
+    assert out["window"] == 128 and list(r["methods"]) == ["original", "pi", "ntk", "yarn", "base_change", "longrope2",
                                                           "longrope2_wide"]
     # the wide search's space reaches the last frequency (the paper's stops at the critical index)
     assert r["search_wide"]["candidates"][1] == 7 > r["search"]["candidates"][1]
@@ -37,7 +37,7 @@ def test_every_method_is_scored_zero_shot_and_fine_tuned(small_project, tmp_path
     for m in r["methods"].values():
         zero, tuned = m["zero_shot"], m["tuned"]
         for row in (zero, tuned):
-            assert all(0 <= row[f"passkey_{n}"] <= 1 for n in (64, 256, 512))
+            assert all(0 <= row[f"passkey_{n}"] <= 1 for n in (128, 512, 1024))
             assert np.isfinite(row["needle_ppl"]) and row["needle_ppl_interval"][0] <= row["needle_ppl_interval"][1]
             assert len(row["position_curve"]) == 64 and row["short_loss"] > 0
         assert tuned["short_loss"] != zero["short_loss"]  # the fine-tune moved the weights
@@ -59,12 +59,12 @@ def test_every_method_is_scored_zero_shot_and_fine_tuned(small_project, tmp_path
     assert done.returncode == 0, done.stderr[-3000:]
     (joined,) = merged_dir.glob("rope_methods-cpu-*.json")
     both = json.loads(joined.read_text())
-    assert [x["seed"] for x in both["results"]] == [0, 1] and both["window"] == 64
+    assert [x["seed"] for x in both["results"]] == [0, 1] and both["window"] == 128
     assert joined.with_suffix(".png").stat().st_size > 10_000
     twice = subprocess.run(merge[:4] + [str(path), str(path), "--out", str(tmp_path / "x")], cwd=REPO, env=env,
                            capture_output=True, text=True, timeout=120)
     assert twice.returncode != 0 and "seed(s) [0]" in twice.stderr and not (tmp_path / "x").exists()
-    (tmp_path / "w.json").write_text(json.dumps(other | {"window": 128}))
+    (tmp_path / "w.json").write_text(json.dumps(other | {"window": 256}))
     differ = subprocess.run(merge[:4] + [str(path), str(tmp_path / "w.json"), "--out", str(tmp_path / "x")], cwd=REPO,
                             env=env, capture_output=True, text=True, timeout=120)
     assert differ.returncode != 0 and "window" in differ.stderr
