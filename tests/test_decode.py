@@ -205,7 +205,8 @@ def test_prompts_with_a_common_prefix_get_what_each_gets_alone(name, monkeypatch
     alone = [full_forward_greedy(model, p, s) for p, s in zip(prompts, steps, strict=True)]
     together = generate_batch(model, prompts, steps)
     assert [torch.equal(a, b) for a, b in zip(together, alone, strict=True)] == [True] * 5
-    cache, _, order = decode._prefill(model, prompts, 8, share=True)
+    freqs = [decode._frequencies(model, p.numel()) for p in prompts]
+    cache, _, order = decode._prefill(model, prompts, 8, True, freqs)
     assert cache.lengths == [prompts[i].numel() for i in order]
     want = {"longrope": [0, 2, 4, 1, 3]}.get(name, [0, 4, 1, 2, 3] if CONFIGS[name].fox is None else [0, 1, 2, 3, 4])
     assert order == want

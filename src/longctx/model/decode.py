@@ -297,14 +297,14 @@ def _shareable(model: Transformer) -> bool:
     return model.cfg.fox is None and not model.cfg.alibi
 
 
-def _prefill(model: Transformer, prompts: list[torch.Tensor], reserve: int,
-             share: bool) -> tuple[Cache, torch.Tensor, list[int]]:
+def _prefill(model: Transformer, prompts: list[torch.Tensor], reserve: int, share: bool,
+             freqs: list[torch.Tensor | None]) -> tuple[Cache, torch.Tensor, list[int]]:
     """(cache, next-token logits, order): the prompts' indices in the order of the cache's
-    documents (those prefilled whole first, then those forked from them)."""
+    documents (those prefilled whole first, then those forked from them). `freqs`: each prompt's
+    rotary frequencies (`_frequencies`). No prompt longer than SHARE_MIN_TOKENS: no comparison."""
     plan = [(-1, 0)] * len(prompts)
-    if share and len(prompts) > 1 and _shareable(model):
-        lengths = [p.numel() for p in prompts]
-        freqs = [_frequencies(model, n) for n in lengths]
+    lengths = [p.numel() for p in prompts]
+    if share and len(prompts) > 1 and max(lengths) > SHARE_MIN_TOKENS and _shareable(model):
         allowed = np.array([[f is None and g is None or f is not None and g is not None and torch.equal(f, g)
                              for g in freqs] for f in freqs])
         plan = share_plan(common_prefixes(prompts), lengths, allowed, SHARE_MIN_TOKENS, SHARE_MIN_FRACTION)
@@ -342,7 +342,7 @@ def generate_batch(model: Transformer, prompts: list[torch.Tensor], max_new_toke
             f is not None and not torch.equal(f, c) for f, c in zip(freqs, cache.frequencies, strict=True))
         if cache is None or stale:  # prefill (again, with the new frequencies): every active prompt, packed
             reserve = max(max_new_tokens[i] - tokens[i].numel() + prompts[i].numel() for i in active)
-            cache, logits, order = _prefill(model, [tokens[i] for i in active], reserve, share)
+            cache, logits, order = _prefill(model, [tokens[i] for i in active], reserve, share, freqs)
             active, freqs = [active[r] for r in order], [freqs[r] for r in order]
         else:
             logits = _last_logits(model, new_ids, list(range(len(active) + 1)), cache)
