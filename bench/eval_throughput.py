@@ -6,8 +6,9 @@ left-padded into batches of --peer-batch); the prefill alone as prefill tokens/s
 of the GPU's dense bf16 peak (2 FLOPs per non-embedding parameter per token plus causal
 attention, as the training MFU counts); FoX (Pro) with ours beside. Random weights (speed does
 not depend on them); the answers of every mode are compared with batched ours. The tasks and
-depths are the gpu-64k profile's eval; `--shared-prefix both` times ours with the prompts'
-common prefixes prefilled once (model/decode.py, the default) and with every prompt whole.
+depths are the gpu-64k profile's eval; `--without draft shared-prefix` times ours also without the
+guessed tokens a decode step (model/decode.py's prompt lookup) and without the prompts' common
+prefixes prefilled once (every prompt whole), in the same run, and compares their answers.
 
     python bench/eval_throughput.py --tokenizer data/tokens/tokenizer --out bench/results
 """
@@ -33,6 +34,8 @@ from longctx.train.loop import flop_params, peak_flops
 from longctx.train.models import build
 
 EVAL = config.resolve({"profile": "gpu-64k"}).eval
+SWITCHES = {"shared-prefix": ("SHARED_PREFIX", False), "draft": ("DRAFT_TOKENS", 0)}
+"""--without: the model/decode.py switch each names, and its value when off."""
 
 
 def model(fox: bool, vocab: int, window: int) -> Transformer:
@@ -134,8 +137,8 @@ def main() -> None:
     parser.add_argument("--tasks", nargs="+", default=list(EVAL.tasks), help="default: the gpu-64k profile's")
     parser.add_argument("--depths", type=float, nargs="+", default=list(EVAL.depths),
                         help="needle depths, cycling over a task's prompts (default: the gpu-64k profile's)")
-    parser.add_argument("--shared-prefix", choices=["on", "off", "both"], default="both",
-                        help="ours: common prefixes prefilled once (on), every prompt whole (off), or both timed")
+    parser.add_argument("--without", nargs="*", choices=sorted(SWITCHES), default=["draft"],
+                        help="ours: also timed with each of these off (its answers compared with the default's)")
     args = parser.parse_args()
     tok = TextTokenizer.load(args.tokenizer)
     enc = suite.Encoder(tok, chat=False)
@@ -168,15 +171,18 @@ def main() -> None:
                     row["kernels"] = kernels(m, encoded, args.batch_tokens)
                     for k in row["kernels"]:
                         print(f"  {k['share']:>6.1%} {k['ms']:>9.1f} ms {k['calls']:>6}  {k['kernel']}")
-                decode.SHARED_PREFIX = args.shared_prefix != "off"
                 row["batched"], want = timed(ours, enc, prompts, encoded, args.batch_tokens)
-                row["batched"]["shared_prefix"] = decode.SHARED_PREFIX
-                if args.shared_prefix == "both":
-                    decode.SHARED_PREFIX = False
-                    row["unshared"], got = timed(ours, enc, prompts, encoded, args.batch_tokens)
-                    row["unshared"]["same_answers"] = sum(a == b for a, b in zip(got, want, strict=True))
-                    row["vs_unshared"] = round(row["batched"]["prompts_per_s"] / row["unshared"]["prompts_per_s"], 2)
-                    decode.SHARED_PREFIX = True
+                for switch in args.without:
+                    attr, off = SWITCHES[switch]
+                    saved = getattr(decode, attr)
+                    setattr(decode, attr, off)
+                    try:
+                        row[f"without_{switch}"], got = timed(ours, enc, prompts, encoded, args.batch_tokens)
+                    finally:
+                        setattr(decode, attr, saved)
+                    row[f"without_{switch}"]["same_answers"] = sum(a == b for a, b in zip(got, want, strict=True))
+                    row[f"vs_without_{switch}"] = round(row["batched"]["prompts_per_s"]
+                                                        / row[f"without_{switch}"]["prompts_per_s"], 2)
                 if args.alone:
                     row["one_at_a_time"], got = timed(ours, enc, prompts, encoded, 1)
                     row["one_at_a_time"]["same_answers"] = sum(a == b for a, b in zip(got, want, strict=True))
@@ -193,14 +199,15 @@ def main() -> None:
                 print(row, flush=True)
             del m
             torch.cuda.empty_cache()
-    print(f"{'model':<12} {'length':>7} {'prompts/s':>10} {'unshared':>9} {'x':>5} {'1-at-a-time':>11} "
+    offs = "".join(f" {'no ' + w:>16} {'x':>5}" for w in args.without)
+    print(f"{'model':<12} {'length':>7} {'prompts/s':>10}{offs} {'1-at-a-time':>11} "
           f"{'transformers':>12} {'x HF':>5} {'prefill tok/s':>13} {'of peak':>7} {'build s':>7}")
     for r in rows:
         peer = r.get("transformers", {}).get("prompts_per_s", "-")
         alone = r.get("one_at_a_time", {}).get("prompts_per_s", "-")
-        whole = r.get("unshared", {}).get("prompts_per_s", "-")
-        print(f"{r['model']:<12} {r['length']:>7} {r['batched']['prompts_per_s']:>10} {whole:>9} "
-              f"{r.get('vs_unshared', '-'):>5} {alone:>11} {peer:>12} {r.get('vs_transformers', '-'):>5} "
+        offs = "".join(f" {r[f'without_{w}']['prompts_per_s']:>16} {r[f'vs_without_{w}']:>5}" for w in args.without)
+        print(f"{r['model']:<12} {r['length']:>7} {r['batched']['prompts_per_s']:>10}{offs} {alone:>11} "
+              f"{peer:>12} {r.get('vs_transformers', '-'):>5} "
               f"{r['prefill_tokens_per_s']:>13} {r['prefill_flop_fraction']:>7} {r['build_seconds']:>7}")
     write_result(args.out, "eval_throughput", {"shape": "gpu-64k model (d768, 12 layers)", "tasks": args.tasks,
                                                 "depths": args.depths, "per_task": args.per_task,

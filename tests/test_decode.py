@@ -94,6 +94,42 @@ def test_prompts_decoded_together_get_what_each_gets_alone(name):
     assert int(stopped[0][-1]) == eos and stopped[0].numel() <= 10
 
 
+def test_lookup_draft_guesses_what_followed_the_latest_copy_of_the_last_tokens():
+    from longctx.model.decode import lookup_draft
+
+    seq = np.array([5, 1, 2, 3, 9, 9, 1, 2, 3, 7, 4, 8, 2, 3])
+    assert lookup_draft(seq, 3).tolist() == [7, 4, 8]  # "1 2 3" is not the end: "2 3" last stood at 7-8
+    assert lookup_draft(seq, 10).tolist() == [7, 4, 8, 2, 3]  # (up to the end)
+    assert lookup_draft(np.array([4, 8, 6, 1, 6, 4]), 2).tolist() == [8, 6]  # a 1-gram where no 2-gram recurs
+    assert lookup_draft(np.array([4, 8, 6]), 2).size == 0 and lookup_draft(seq, 0).size == 0
+    assert lookup_draft(np.array([3, 3, 3, 3]), 4).tolist() == [3]  # a loop: its next token
+
+
+@pytest.mark.parametrize("name", ["llama", "longrope", "dynamic"])
+def test_guessed_tokens_take_fewer_forwards_for_the_same_tokens(name):
+    """Decode steps that score the prompt-lookup guesses: each prompt the tokens of one token a
+    step (the random models fall into loops that the lookup guesses, so steps keep several
+    tokens), in fewer forwards; LongRoPE's switch and dynamic NTK's growth never inside a step."""
+    torch.manual_seed(2)
+    model = Transformer(CONFIGS[name]).double().eval()
+    prompts = [torch.randint(0, 61, (n,)) for n in (7, 3, 11, 5, 1)]
+    steps = [20, 12, 16, 1, 6] if name != "dynamic" else [12, 6, 9, 3, 4]
+    forwards = []
+    hidden = model.hidden
+
+    def counted(*args, **kwargs):
+        forwards[-1] += 1
+        return hidden(*args, **kwargs)
+
+    model.hidden = counted
+    runs = []
+    for draft in (0, 8):
+        forwards.append(0)
+        runs.append([t.tolist() for t in generate_batch(model, prompts, steps, draft=draft)])
+    assert runs[0] == runs[1]
+    assert forwards[0] == max(steps) and forwards[1] <= forwards[0] - (3 if name == "dynamic" else 7), forwards
+
+
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 @pytest.mark.parametrize("t,h,hk,d", [(1, 4, 4, 64), (700, 6, 2, 40), (3000, 4, 1, 128)])
 def test_decode_kernel_matches_float64(t, h, hk, d):

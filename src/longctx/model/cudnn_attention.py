@@ -130,11 +130,13 @@ def _all_short(index: torch.Tensor, n: int) -> bool:
 
 
 def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
-                   max_q: int, max_k: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                   max_q: int, max_k: int, scale: float,
+                   used_k: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """FlashAttention-2's varlen causal forward (its mask aligned to the last key where a document has
-    fewer queries than keys): (out, log-sum-exp [H, queries])."""
+    fewer queries than keys): (out, log-sum-exp [H, queries]). `used_k` [docs] int32: a document's
+    keys are the first used_k[b] rows from cu_k[b] (a padded cache read where it lies)."""
     o, lse, *_ = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False,
-                                                         scale=scale)
+                                                         scale=scale, seqused_k=used_k)
     return o, lse
 
 

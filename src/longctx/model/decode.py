@@ -33,6 +33,11 @@ LONGCTX_DECODE=math keeps the plain PyTorch path there too (bench/decode.py time
 SHARED_PREFIX = os.environ.get("LONGCTX_SHARED_PREFIX", "on") != "off"
 """Prompts prefill their common prefixes once (`share_plan`); LONGCTX_SHARED_PREFIX=off prefills
 every prompt whole (bench/eval_throughput.py --shared-prefix times both)."""
+DRAFT_TOKENS = int(os.environ.get("LONGCTX_DRAFT_TOKENS", "8"))
+"""Greedy decoding guesses up to this many tokens a document a step (`lookup_draft`) and keeps
+those the model agrees with, so a step of the batch may add several tokens to each; 0 (env
+LONGCTX_DRAFT_TOKENS=0): one token a step. Plain attention only (a FoX cache carries state past
+each row that a refused guess would leave behind)."""
 SHARE_MIN_TOKENS = 4096
 SHARE_MIN_FRACTION = 0.5
 """A prompt takes its prefix from another when they agree on at least this many tokens and this
@@ -131,7 +136,7 @@ class LayerCache:
             return self._step(q, lam_new, scale)
         if q.is_cuda and lam_new is None and q.dtype in (torch.float16, torch.bfloat16) \
                 and not head_dim_refused("varlen", q.shape[-1]):
-            return self._continued(q, spans, starts, scale)
+            return self._continued(q, spans, scale)
         out = []  # several new tokens after a cached part: a document at a time, causal among them
         for i, ((a, b), s) in enumerate(zip(spans, starts, strict=True)):
             if a == b:
@@ -143,18 +148,18 @@ class LayerCache:
                                      torch.arange(s, end, device=q.device)[None], scale)[0])
         return torch.cat(out)
 
-    def _continued(self, q: torch.Tensor, spans: list[tuple[int, int]], starts: list[int],
-                   scale: float) -> torch.Tensor:
+    def _continued(self, q: torch.Tensor, spans: list[tuple[int, int]], scale: float) -> torch.Tensor:
         """New queries of several documents (some may have none) over each one's cached keys, its
-        new ones last, in one FlashAttention-2 call: its causal mask aligns a document's last
-        query with its last key. The keys are gathered packed (one copy of what is cached)."""
-        docs = [(i, b - a, s + b - a) for i, ((a, b), s) in enumerate(zip(spans, starts, strict=True)) if b > a]
-        keys = torch.cat([self.k[i, :end] for i, _, end in docs])
-        values = torch.cat([self.v[i, :end] for i, _, end in docs])
-        cu_q = torch.tensor(np.cumsum([0] + [n for _, n, _ in docs]), dtype=torch.int32, device=q.device)
-        cu_k = torch.tensor(np.cumsum([0] + [end for *_, end in docs]), dtype=torch.int32, device=q.device)
-        return flash_forward(q.contiguous(), keys, values, cu_q, cu_k, max(n for _, n, _ in docs),
-                             max(end for *_, end in docs), scale)[0]
+        new ones last, in one FlashAttention-2 call over the buffer as it lies: document b's keys
+        are the first lengths[b] rows of its row of the buffer, and the causal mask aligns its last
+        query with its last key. (No copy of the cache: a decode step's guesses read it once.)"""
+        docs, capacity = self.k.shape[:2]
+        cu_q = torch.tensor([0] + [b for _, b in spans], dtype=torch.int32, device=q.device)
+        cu_k = torch.arange(0, (docs + 1) * capacity, capacity, dtype=torch.int32, device=q.device)
+        used = torch.tensor(self.lengths, dtype=torch.int32, device=q.device)
+        keys, values = (buf.view(docs * capacity, *buf.shape[2:]) for buf in (self.k, self.v))
+        return flash_forward(q.contiguous(), keys, values, cu_q, cu_k, max(b - a for a, b in spans),
+                             max(self.lengths), scale, used)[0]
 
     def fork(self, sources: list[int], shared: list[int], rows: int) -> None:
         """Append documents that begin as cached ones: the j-th holds the first shared[j] rows of
@@ -197,6 +202,14 @@ class LayerCache:
                 setattr(self, name, buf[rows])
         self.lengths = [self.lengths[i] for i in rows]
 
+    def trim(self, lengths: list[int]) -> None:
+        """Forget each document's rows past lengths[b] (guessed tokens the model did not agree
+        with): they are masked by the lengths and overwritten by the next rows. Plain attention
+        only (FoX's KV-shift keeps the last row's projections)."""
+        if self.k_before is not None:
+            raise ValueError("a KV-shift cache cannot drop rows: it keeps the last row's projections")
+        self.lengths = list(lengths)
+
 
 class Cache(list):
     """One LayerCache per layer for B documents, and the number of tokens each holds."""
@@ -227,6 +240,11 @@ class Cache(list):
             layer.keep(rows)
         self.lengths = [self.lengths[i] for i in rows]
         self.frequencies = [self.frequencies[i] for i in rows]
+
+    def trim(self, lengths: list[int]) -> None:
+        for layer in self:
+            layer.trim(lengths)
+        self.lengths = list(lengths)
 
     def fork(self, sources: list[int], shared: list[int], rows: int) -> None:
         """Append documents that begin as cached ones (LayerCache.fork), in every layer."""
@@ -322,42 +340,79 @@ def _prefill(model: Transformer, prompts: list[torch.Tensor], reserve: int, shar
     return cache, logits, whole + forked
 
 
+def lookup_draft(seq: np.ndarray, k: int, longest: int = 3) -> np.ndarray:
+    """Up to k tokens that followed the latest earlier occurrence of seq's last n-gram (the
+    longest of `longest` .. 1 tokens that occurs): a guess of what greedy decoding writes next
+    (prompt-lookup decoding). In retrieval prompts the answer is a copy of the context, and so is
+    the filler a wrong answer goes on with."""
+    if k <= 0 or len(seq) < 2:
+        return seq[:0]
+    ends = best = np.flatnonzero(seq[:-1] == seq[-1])  # where earlier copies of the last token stand
+    for back in range(1, min(longest, len(seq) - 1)):  # ... and of the tokens before it
+        ends = ends[ends >= back]
+        ends = ends[seq[ends - back] == seq[-1 - back]]
+        if not ends.size:
+            break
+        best = ends
+    return seq[best[-1] + 1:best[-1] + 1 + k] if best.size else seq[:0]
+
+
 @torch.no_grad()
 def generate_batch(model: Transformer, prompts: list[torch.Tensor], max_new_tokens: int | list[int],
-                   eos_id: int | None = None, share: bool | None = None) -> list[torch.Tensor]:
+                   eos_id: int | None = None, share: bool | None = None,
+                   draft: int | None = None) -> list[torch.Tensor]:
     """Greedy continuations of several prompts [T_b] at once; returns each prompt + its new
     tokens (up to its max_new_tokens, or through eos_id). The same tokens as one prompt at a
     time, up to float rounding: a document never sees another. `share`: common prefixes
-    prefilled once (default SHARED_PREFIX)."""
+    prefilled once (default SHARED_PREFIX). `draft`: up to this many guessed tokens a document a
+    step (`lookup_draft`; default DRAFT_TOKENS): the step's forward scores them all, and the
+    guesses up to the first the model disagrees with are kept, with its own next token after."""
     share = SHARED_PREFIX if share is None else share
-    if isinstance(max_new_tokens, int):
-        max_new_tokens = [max_new_tokens] * len(prompts)
-    tokens = [p.reshape(-1).clone() for p in prompts]
-    active = [i for i, n in enumerate(max_new_tokens) if n > 0]
+    draft = (DRAFT_TOKENS if draft is None else draft) if _shareable(model) else 0
+    budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    device = prompts[0].device
+    seqs = [p.reshape(-1).cpu().numpy() for p in prompts]  # the host's copy: each prompt + its new tokens
+    new: list[list[int]] = [[] for _ in prompts]
+    active = [i for i, n in enumerate(budgets) if n > 0]
     cache: Cache | None = None
-    new_ids: torch.Tensor | None = None
     while active:
-        freqs = [_frequencies(model, tokens[i].numel()) for i in active]
+        freqs = [_frequencies(model, len(seqs[i])) for i in active]
         stale = cache is not None and any(
             f is not None and not torch.equal(f, c) for f, c in zip(freqs, cache.frequencies, strict=True))
         if cache is None or stale:  # prefill (again, with the new frequencies): every active prompt, packed
-            reserve = max(max_new_tokens[i] - tokens[i].numel() + prompts[i].numel() for i in active)
-            cache, logits, order = _prefill(model, [tokens[i] for i in active], reserve, share, freqs)
+            reserve = max(budgets[i] - len(new[i]) for i in active)  # (a step's guesses stay in the budget)
+            cache, logits, order = _prefill(model, [torch.from_numpy(seqs[i]).to(device) for i in active],
+                                            reserve, share, freqs)
             active, freqs = [active[r] for r in order], [freqs[r] for r in order]
-        else:
-            logits = _last_logits(model, new_ids, list(range(len(active) + 1)), cache)
+            guesses = [seqs[i][:0] for i in active]
+        else:  # each document's last token, then its guesses (none where they would cross a frequency change)
+            guesses = [lookup_draft(seqs[i], min(draft, budgets[i] - len(new[i]) - 1)) for i in active]
+            guesses = [g if f is None or not g.size or torch.equal(f, _frequencies(model, len(seqs[i]) + g.size))
+                       else g[:0] for i, g, f in zip(active, guesses, freqs, strict=True)]
+            fed = [np.concatenate((seqs[i][-1:], g)) for i, g in zip(active, guesses, strict=True)]
+            ids = torch.from_numpy(np.concatenate(fed)).to(device)
+            logits = model.lm_head(model.hidden(ids, np.cumsum([0] + [f.size for f in fed]).tolist(), cache=cache))
         cache.frequencies = freqs
-        nxt = logits.argmax(-1)
-        going = []
-        for row, (i, t) in enumerate(zip(active, nxt.tolist(), strict=True)):
-            tokens[i] = torch.cat((tokens[i], nxt[row:row + 1]))
-            if tokens[i].numel() - prompts[i].numel() < max_new_tokens[i] and t != eos_id:
+        picks, at = logits.argmax(-1).tolist(), 0
+        going, kept = [], list(cache.lengths)
+        for row, (i, g) in enumerate(zip(active, guesses, strict=True)):
+            mine, at = picks[at:at + g.size + 1], at + g.size + 1
+            agreed = next((j for j in range(g.size) if mine[j] != g[j]), g.size)
+            out = mine[:agreed + 1][:budgets[i] - len(new[i])]
+            if eos_id in out:
+                out = out[:out.index(eos_id) + 1]
+            new[i] += out
+            seqs[i] = np.concatenate((seqs[i], np.asarray(out, dtype=seqs[i].dtype)))
+            kept[row] -= g.size - agreed  # the rows of guesses after the first one refused
+            if len(new[i]) < budgets[i] and out[-1] != eos_id:
                 going.append(row)
+        if any(k != n for k, n in zip(kept, cache.lengths, strict=True)):
+            cache.trim(kept)
         if len(going) < len(active):
             cache.keep(going)
         active = [active[r] for r in going]
-        new_ids = nxt[going]
-    return tokens
+    return [torch.cat((p.reshape(-1), torch.tensor(n, dtype=p.dtype, device=p.device)))
+            for p, n in zip(prompts, new, strict=True)]
 
 
 def generate(model: Transformer, prompt: torch.Tensor, max_new_tokens: int, eos_id: int | None = None) -> torch.Tensor:
