@@ -7,8 +7,9 @@ of the GPU's dense bf16 peak (2 FLOPs per non-embedding parameter per token plus
 attention, as the training MFU counts); FoX (Pro) with ours beside. Random weights (speed does
 not depend on them); the answers of every mode are compared with batched ours. The tasks and
 depths are the gpu-64k profile's eval; `--without draft shared-prefix` times ours also without the
-guessed tokens a decode step (model/decode.py's prompt lookup) and without the prompts' common
-prefixes prefilled once (every prompt whole), in the same run, and compares their answers.
+guessed tokens a decode step (model/decode.py's prompt lookup), without the prompts' common prefixes
+prefilled once (every prompt whole) or without the prompts batched in the order of their ids (those
+that begin alike together), in the same run, and compares their answers.
 
     python bench/eval_throughput.py --tokenizer data/tokens/tokenizer --out bench/results
 """
@@ -35,7 +36,8 @@ from longctx.train.models import build
 
 EVAL = config.resolve({"profile": "gpu-64k"}).eval
 SWITCHES = {"shared-prefix": ("SHARED_PREFIX", False), "draft": ("DRAFT_TOKENS", 0)}
-"""--without: the model/decode.py switch each names, and its value when off."""
+"""--without: the model/decode.py switch each names, and its value when off (alike-order: a length's
+prompts batched longest first, not in the order of their ids)."""
 
 
 def model(fox: bool, vocab: int, window: int) -> Transformer:
@@ -108,11 +110,15 @@ def hf_batched(folder: Path, eos: int | None, batch: int) -> suite.Answerer:
     return answer
 
 
-def timed(answer: suite.Answerer, enc: suite.Encoder, prompts, encoded, budget: int) -> tuple[dict, list[str]]:
+def timed(answer: suite.Answerer, enc: suite.Encoder, prompts, encoded, budget: int,
+          alike: bool = True) -> tuple[dict, list[str]]:
+    """Ours batches a length's prompts as the eval does (`alike`: in the order of their ids), the
+    others longest first."""
     answer([encoded[0][:256]], [2])  # warm-up (kernels, allocator)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    rows, _ = suite.run_tasks(answer, enc, prompts, "bench", encoded, budget)
+    part = (prompts, encoded, suite.alike_first(encoded)) if alike else suite.part(prompts, encoded)
+    rows, _ = suite.run_tasks(answer, enc, [part], "bench", budget)
     torch.cuda.synchronize()
     sec = time.perf_counter() - t0
     return {"prompts": len(prompts), "seconds": round(sec, 3), "prompts_per_s": round(len(prompts) / sec, 3),
@@ -137,7 +143,7 @@ def main() -> None:
     parser.add_argument("--tasks", nargs="+", default=list(EVAL.tasks), help="default: the gpu-64k profile's")
     parser.add_argument("--depths", type=float, nargs="+", default=list(EVAL.depths),
                         help="needle depths, cycling over a task's prompts (default: the gpu-64k profile's)")
-    parser.add_argument("--without", nargs="*", choices=sorted(SWITCHES), default=["draft"],
+    parser.add_argument("--without", nargs="*", choices=sorted(SWITCHES) + ["alike-order"], default=["draft"],
                         help="ours: also timed with each of these off (its answers compared with the default's)")
     args = parser.parse_args()
     tok = TextTokenizer.load(args.tokenizer)
@@ -173,13 +179,16 @@ def main() -> None:
                         print(f"  {k['share']:>6.1%} {k['ms']:>9.1f} ms {k['calls']:>6}  {k['kernel']}")
                 row["batched"], want = timed(ours, enc, prompts, encoded, args.batch_tokens)
                 for switch in args.without:
-                    attr, off = SWITCHES[switch]
-                    saved = getattr(decode, attr)
-                    setattr(decode, attr, off)
+                    attr, off = SWITCHES.get(switch, (None, None))
+                    saved = getattr(decode, attr) if attr else None
+                    if attr:
+                        setattr(decode, attr, off)
                     try:
-                        row[f"without_{switch}"], got = timed(ours, enc, prompts, encoded, args.batch_tokens)
+                        row[f"without_{switch}"], got = timed(ours, enc, prompts, encoded, args.batch_tokens,
+                                                              alike=switch != "alike-order")
                     finally:
-                        setattr(decode, attr, saved)
+                        if attr:
+                            setattr(decode, attr, saved)
                     row[f"without_{switch}"]["same_answers"] = sum(a == b for a, b in zip(got, want, strict=True))
                     row[f"vs_without_{switch}"] = round(row["batched"]["prompts_per_s"]
                                                         / row[f"without_{switch}"]["prompts_per_s"], 2)

@@ -8,6 +8,7 @@ import argparse
 import configparser
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -19,15 +20,21 @@ os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DVC_NO_ANALYTICS", "1")
 
-try:  # Ctrl-C in the first seconds, while Prefect and the rest import: one line, not a traceback
-    from longctx.config import TrackingParams, load
-    from longctx.errors import LongctxError
-    from longctx.eval.summary import summary
-    from longctx.tracking import experiment_id, tracking_uri
+# Ctrl-C in the first seconds, while Prefect and the rest import: one line, not a traceback. The
+# signal waits for the imports to end (raised inside pydantic's compiled core, it was a Rust panic
+# and its backtrace); then the command stops before anything runs.
+_interrupted: list[int] = []
+signal.signal(signal.SIGINT, lambda signum, frame: _interrupted.append(signum))
+from longctx.config import TrackingParams, load  # noqa: E402
+from longctx.errors import LongctxError  # noqa: E402
+from longctx.eval.summary import summary  # noqa: E402
+from longctx.tracking import experiment_id, tracking_uri  # noqa: E402
 
-    from .flows import StageFailed, gpu_ids, pipeline, workspace_lock
-    from .server import prefect_api
-except KeyboardInterrupt:
+from .flows import StageFailed, gpu_ids, pipeline, workspace_lock  # noqa: E402
+from .server import prefect_api  # noqa: E402
+
+signal.signal(signal.SIGINT, signal.default_int_handler)
+if _interrupted:
     print("longctx pipeline: interrupted while starting; nothing ran", file=sys.stderr)
     sys.exit(130)
 

@@ -75,16 +75,16 @@ def run(cfg: Params, root: Path) -> None:
     device = compute_device()
     results = report.empty_results()
     rows_all, position_rows = [], []
-    with stage_run(cfg.tracking, root, "eval", flat(ec, "eval")) as tracker:
+    if "sft" in ckpts and not tok.chat_template:
+        raise DataError(f"{TOKENS / 'tokenizer'}: no chat template to evaluate the SFT checkpoint with")
+    encoders = (suite.Encoder(tok, False),) + ((suite.Encoder(tok, True),) if tok.chat_template else ())
+    with stage_run(cfg.tracking, root, "eval", flat(ec, "eval")) as tracker, \
+            suite.PromptBank(encoders, ec, haystack) as bank:  # the prompts, made while checkpoints score
         short = retention_split(cfg)
-        built: dict = {}  # the task prompts, built once for all checkpoints, and their token ids
         for name, folder in ckpts.items():
             model = _train.load(folder, cfg.model.attention_backend).to(device).eval()
-            chat = name == "sft"
-            if chat and not tok.chat_template:
-                raise DataError(f"{TOKENS / 'tokenizer'}: no chat template to evaluate the SFT checkpoint with")
-            rows, curve = suite.evaluate(results, name, model, folder, suite.Encoder(tok, chat), ec, data, haystack,
-                                         windows[name], short, built)
+            rows, curve = suite.evaluate(results, name, model, folder, suite.Encoder(tok, name == "sft"), ec, data,
+                                         windows[name], short, bank)
             rows_all += rows
             position_rows += curve
             means = results["means"][name]  # as it comes: a run cut short keeps it

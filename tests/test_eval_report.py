@@ -156,10 +156,17 @@ def test_evaluate_one_checkpoint(small_project, tok, long_val, tmp_path):
     haystack = tok.tok.decode(long_val[0].input_ids.tolist())
     ec = EvalParams(tasks=["passkey", "niah_single_noise"], lengths=[256, 512], samples=1, depths=[0.5],
                     position_sequences=2, needle_sequences=2, retention_sequences=4)
-    results, built = report.empty_results(), {}
-    rows, curve = suite.evaluate(results, "base", model, tmp_path, suite.Encoder(tok, chat=False), ec, long_val,
-                                 haystack, suite.Window(256), short, built)
-    assert results["skipped"] == [] and results["windows"] == {"base": 256}
+    results = report.empty_results()
+    plain, chat = suite.Encoder(tok, chat=False), suite.Encoder(tok, chat=True)
+    with suite.PromptBank((plain, chat), ec, haystack) as bank:
+        rows, curve = suite.evaluate(results, "base", model, tmp_path, plain, ec, long_val, suite.Window(256), short,
+                                     bank)
+        # an SFT checkpoint reads the same prompts (built once) through the chat template, still within each length
+        chat_rows, _ = suite.evaluate(results, "sft", model, tmp_path, chat, ec, long_val, suite.Window(256), short,
+                                      bank)
+        assert [p.text() for p in bank.prompts(256)] == [p.text() for p in suite.build_prompts(
+            plain, ec.tasks, [256], 1, [0.5], ec.seed, haystack, (chat,))]  # a length's alone, the same
+    assert results["skipped"] == [] and results["windows"] == {"base": 256, "sft": 256}
     # also beyond the window (RoPE runs there), marked in the table
     assert [(r["task"], r["length"]) for r in rows] == [("passkey", 256), ("niah_single_noise", 256),
                                                          ("passkey", 512), ("niah_single_noise", 512)]
@@ -172,11 +179,7 @@ def test_evaluate_one_checkpoint(small_project, tok, long_val, tmp_path):
     retention = suite.mean_loss(model, [short[i].input_ids for i in range(4)])
     assert results["retention_ppl"]["base"] == pytest.approx(needle.perplexity(retention))
     assert "lm_eval" not in results  # none asked for
-    # an SFT checkpoint reads the same prompts (built once) through the chat template, still within each length
     assert tok.chat_template
-    chat_rows, _ = suite.evaluate(results, "sft", model, tmp_path, suite.Encoder(tok, chat=True), ec, long_val,
-                                  haystack, suite.Window(256), short, built)
-    assert set(built) == {(256, 512), (False, (256, 512)), (True, (256, 512))}
     assert [r["gold"] for r in chat_rows] == [r["gold"] for r in rows]
     assert all(r["prompt_tokens"] <= r["length"] for r in rows + chat_rows)
     assert [r["prompt_tokens"] for r in chat_rows] != [r["prompt_tokens"] for r in rows]

@@ -39,8 +39,8 @@ def test_our_decoding_gives_the_transformers_answers(small_project, tmp_path):
         assert a == b[:len(a)] and len(a) >= 1, p.task
     # batches of a 1,000-token budget (the three 768-token prompts alone, the 256-token ones together)
     # score the rows, in the prompts' order, as one prompt a call does
-    alone, _ = suite.run_tasks(ours, enc, prompts, "alone", ids, batch_tokens=1)
-    batched, _ = suite.run_tasks(ours, enc, prompts, "batched", ids, batch_tokens=1000)
+    alone, _ = suite.run_tasks(ours, enc, [suite.part(prompts, ids)], "alone", batch_tokens=1)
+    batched, _ = suite.run_tasks(ours, enc, [suite.part(prompts, ids)], "batched", batch_tokens=1000)
     assert batched == alone and [r["task"] for r in batched] == [p.task for p in prompts]
 
 

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import json
 import re
+from concurrent.futures import CancelledError
 
 import numpy as np
 import pytest
 
+from longctx.config import EvalParams
 from longctx.data.tokenizer import TextTokenizer
 from longctx.eval import tasks
-from longctx.eval.suite import Encoder, build_prompts
+from longctx.eval.suite import Encoder, PromptBank, Stopped, build_prompts
 
 
 @pytest.fixture(scope="module")
@@ -141,3 +143,22 @@ def test_prompts_built_side_by_side_are_those_built_one_by_one(enc, haystack):
              for n in lengths for name in names for i in range(3)]
     assert built == alone
     assert enc.prompts(built) == [enc.prompt(p) for p in built]
+
+
+def test_the_prompt_bank_makes_each_length_as_built_alone_and_stops_when_closed(enc, haystack):
+    """The bank's prompts of a length are build_prompts' for that length alone (the same seed, the
+    same prompts, whatever else is asked), its ids the encoder's, its order theirs sorted (prompts
+    that begin alike side by side); closed while building, the lengths not yet made are cancelled."""
+    ec = EvalParams(tasks=["passkey", "niah_single_noise", "json_kv"], lengths=[1024, 512], samples=3,
+                    depths=[0.1, 0.5, 0.9])
+    with PromptBank((enc,), ec, haystack) as bank:
+        for n in (512, 1024):
+            alone = build_prompts(enc, ec.tasks, [n], 3, ec.depths, ec.seed, haystack)
+            assert bank.prompts(n) == alone and bank.ids(enc, n) == enc.prompts(alone)
+            ids = bank.ids(enc, n)
+            assert [ids[i] for i in bank.order(enc, n)] == sorted(ids) and sorted(bank.order(enc, n)) == list(range(9))
+    early = PromptBank((enc,), ec.model_copy(update={"lengths": [512, 1024, 2048, 4096]}), haystack)
+    early.close()
+    with pytest.raises((Stopped, CancelledError)):
+        early.prompts(4096)
+

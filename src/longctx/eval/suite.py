@@ -4,9 +4,10 @@ short-context retention."""
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -65,12 +66,14 @@ def cell_size(task: str, samples: int, depths: int) -> int:
 
 
 def build_prompts(enc: Encoder, names: list[str], lengths: list[int], samples: int, depths: list[float],
-                  seed: int, haystack: str, wrappers: tuple[Encoder, ...] = ()) -> list[tasks.Prompt]:
+                  seed: int, haystack: str, wrappers: tuple[Encoder, ...] = (),
+                  stop: threading.Event | None = None) -> list[tasks.Prompt]:
     """Every task at every length: `samples` prompts each, depths cycling; the single-needle
     noise task at least once at every depth (the NIAH depth x length grid). The same seed, the
-    same prompts.
+    same prompts (a length's do not depend on the others asked).
     Each fits the length under `enc` and every one of `wrappers` (the chat template too: then the
-    pretrained and the SFT checkpoints read the same texts)."""
+    pretrained and the SFT checkpoints read the same texts). `stop`, once set, ends the building
+    (Stopped) before the next prompt."""
     empty = tasks.Prompt("", 0, "", "", "", [""], "all", 0)
     wrap = max(len(e.prompt(empty)) for e in (enc, *wrappers))
     jobs = []
@@ -80,8 +83,64 @@ def build_prompts(enc: Encoder, names: list[str], lengths: list[int], samples: i
             for i in range(cell_size(name, samples, len(depths))):
                 jobs.append((name, budget, np.random.default_rng([seed, length, tasks.TASKS.index(name), i]),
                              depths[i % len(depths)]))
+
+    def build(job: tuple) -> tasks.Prompt:
+        if stop is not None and stop.is_set():
+            raise Stopped
+        return tasks.build(*job, haystack)
+
     with ThreadPoolExecutor() as pool:  # tokenizing (most of the time) runs outside the GIL: one prompt a core
-        return list(pool.map(lambda job: tasks.build(*job, haystack), jobs))
+        return list(pool.map(build, jobs))
+
+
+class Stopped(Exception):
+    """The prompt bank was closed while it was still building."""
+
+
+class PromptBank:
+    """The task prompts at every eval length and their token ids under each encoder (plain, and
+    the chat template's), made on one background thread while checkpoints are scored: a length at
+    a time from the shortest, the chat template's ids last. The first checkpoint starts on the
+    shortest prompts as soon as they exist (filling 64K-token prompts to the token takes seconds
+    each) and the SFT checkpoint finds its ids made. `order(enc, n)`: the prompts to batch in
+    (`alike_first`)."""
+
+    def __init__(self, encoders: tuple[Encoder, ...], ec: EvalParams, haystack: str):
+        self._stop = threading.Event()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="prompts")
+        self._prompts: dict[int, Future] = {}
+        self._ids: dict[tuple[bool, int], Future] = {}
+        lengths = sorted(set(ec.lengths))
+        for i, enc in enumerate(encoders):
+            for n in lengths:
+                if i == 0:
+                    self._prompts[n] = self._pool.submit(build_prompts, enc, ec.tasks, [n], ec.samples, ec.depths,
+                                                         ec.seed, haystack, encoders[1:], self._stop)
+                self._ids[enc.chat, n] = self._pool.submit(self._encode, enc, n)
+
+    def _encode(self, enc: Encoder, n: int) -> tuple[list[list[int]], list[int]]:
+        ids = enc.prompts(self._prompts[n].result())
+        return ids, alike_first(ids)
+
+    def prompts(self, n: int) -> list[tasks.Prompt]:
+        return self._prompts[n].result()
+
+    def ids(self, enc: Encoder, n: int) -> list[list[int]]:
+        return self._ids[enc.chat, n].result()[0]
+
+    def order(self, enc: Encoder, n: int) -> list[int]:
+        return self._ids[enc.chat, n].result()[1]
+
+    def close(self) -> None:
+        """Stop building (an error, Ctrl-C): the thread ends after its current prompt."""
+        self._stop.set()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def __enter__(self) -> PromptBank:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def first_of_cells(prompts: list[tasks.Prompt], samples: int, depths: int) -> list[int]:
@@ -133,32 +192,51 @@ def hf_answerer(folder, eos: int | None, dtype: torch.dtype = torch.float32) -> 
     return answer
 
 
-def run_tasks(answer: Answerer, enc: Encoder, prompts: list[tasks.Prompt], desc: str,
-              encoded: list[list[int]] | None = None, batch_tokens: int = 65536) -> tuple[list[dict], dict]:
-    """Score every prompt (`encoded`: their token ids, when already encoded), up to
-    `batch_tokens` prompt tokens a call of `answer`; returns rows in the prompts' order and
-    throughput."""
-    encoded = enc.prompts(prompts) if encoded is None else encoded
-    rows: list[dict | None] = [None] * len(prompts)
+Part = tuple[list[tasks.Prompt], list[list[int]], list[int]]
+"""Prompts, their token ids, and the order to batch them in."""
+
+
+def part(prompts: list[tasks.Prompt], encoded: list[list[int]]) -> Part:
+    """Prompts batched longest first (a batch of about one length)."""
+    return prompts, encoded, sorted(range(len(prompts)), key=lambda i: -len(encoded[i]))
+
+
+def alike_first(encoded: list[list[int]]) -> list[int]:
+    """Prompts (of one length) in the order of their ids: those that begin alike side by side, so
+    that a batch holds them together and prefills their common prefix once."""
+    return sorted(range(len(encoded)), key=encoded.__getitem__)
+
+
+def run_tasks(answer: Answerer, enc: Encoder, parts: Iterable[Part], desc: str, batch_tokens: int = 65536,
+              total: int | None = None) -> tuple[list[dict], dict]:
+    """Score every prompt of each part, in the part's order up to `batch_tokens` prompt tokens a
+    call of `answer`; returns rows in the parts' and their prompts' order, and throughput. Parts
+    may come as they are made (`total`: their prompts, for the progress bar)."""
+    if total is None:
+        parts = list(parts)
+        total = sum(len(p) for p, *_ in parts)
+    rows: list[dict] = []
     tokens, start = 0, time.perf_counter()
     eos = enc.eos()
-    with progress(total=len(prompts), desc=desc, unit="prompt") as bar:
-        order = sorted(range(len(prompts)), key=lambda i: -len(encoded[i]))  # batches of about one length
-        for run in needle.groups([len(encoded[i]) for i in order], batch_tokens):
-            batch = [order[j] for j in run]
-            outs = answer([encoded[i] for i in batch], [prompts[i].max_new_tokens for i in batch])
-            for i, out in zip(batch, outs, strict=True):
-                p, ids = prompts[i], encoded[i]
-                if eos is not None and eos in out:
-                    out = out[:out.index(eos)]
-                text = enc.tok.tok.decode(out)
-                tokens += len(ids) + len(out)
-                rows[i] = {"task": p.task, "length": p.length, "depth": p.meta.get("depth"),
-                           "score": tasks.score(p, text), "output": text[:200], "gold": p.gold,
-                           "prompt_tokens": len(ids)}
-            bar.update(len(batch))
+    with progress(total=total, desc=desc, unit="prompt") as bar:
+        for prompts, encoded, order in parts:
+            scored: list[dict | None] = [None] * len(prompts)
+            for run in needle.groups([len(encoded[i]) for i in order], batch_tokens):
+                batch = [order[j] for j in run]
+                outs = answer([encoded[i] for i in batch], [prompts[i].max_new_tokens for i in batch])
+                for i, out in zip(batch, outs, strict=True):
+                    p, ids = prompts[i], encoded[i]
+                    if eos is not None and eos in out:
+                        out = out[:out.index(eos)]
+                    text = enc.tok.tok.decode(out)
+                    tokens += len(ids) + len(out)
+                    scored[i] = {"task": p.task, "length": p.length, "depth": p.meta.get("depth"),
+                                 "score": tasks.score(p, text), "output": text[:200], "gold": p.gold,
+                                 "prompt_tokens": len(ids)}
+                bar.update(len(batch))
+            rows += scored
     seconds = time.perf_counter() - start
-    return rows, {"prompts_per_s": len(prompts) / max(seconds, 1e-9), "tokens_per_s": tokens / max(seconds, 1e-9),
+    return rows, {"prompts_per_s": len(rows) / max(seconds, 1e-9), "tokens_per_s": tokens / max(seconds, 1e-9),
                   "seconds": seconds}
 
 
@@ -244,34 +322,36 @@ def perplexities(results: dict, name: str, model: Transformer, data: PackedDatas
 
 
 def evaluate(results: dict, name: str, model: Transformer, folder: Path, enc: Encoder, ec: EvalParams,
-             data: PackedDataset, haystack: str, window: Window,
-             short: PackedDataset | None, built: dict | None = None) -> tuple[list[dict], list[dict]]:
-    """Everything measured on one checkpoint, into `results` under `name`: the task prompts at
-    every eval length, also beyond its window (the comparison that shows what long-context
-    training did; `results["windows"]` marks them), except past a hard window (skipped, with the
-    reason); perplexities on the long documents of `data`; lm-eval tasks; perplexity on the short
-    sequences of `short`. Returns the scored prompt rows and the per-position loss rows. `built`
-    keeps the prompts between checkpoints (filling 64K-token prompts to the token takes seconds
-    each), and their token ids between checkpoints that read them alike (plain or chat)."""
+             data: PackedDataset, window: Window, short: PackedDataset | None,
+             bank: PromptBank) -> tuple[list[dict], list[dict]]:
+    """Everything measured on one checkpoint, into `results` under `name`: the task prompts of
+    `bank` at every eval length, also beyond its window (the comparison that shows what
+    long-context training did; `results["windows"]` marks them), except past a hard window
+    (skipped, with the reason); perplexities on the long documents of `data`; lm-eval tasks;
+    perplexity on the short sequences of `short`. Returns the scored prompt rows and the
+    per-position loss rows."""
     results["windows"][name] = window.length
-    lengths = [n for n in ec.lengths if not (window.hard and n > window.length)]
+    lengths = [n for n in sorted(set(ec.lengths)) if not (window.hard and n > window.length)]
     for n in sorted(set(ec.lengths) - set(lengths)):
         results["skipped"].append({"checkpoint": name, "length": n, "reason": f"beyond the checkpoint's window "
                                    f"{window.length} (its learned position table stops there)"})
-    key = tuple(lengths)
-    built = {} if built is None else built
-    if key not in built:
-        other = (Encoder(enc.tok, not enc.chat),) if enc.chat or enc.tok.chat_template else ()
-        built[key] = build_prompts(enc, ec.tasks, lengths, ec.samples, ec.depths, ec.seed, haystack, other)
-    if (enc.chat, key) not in built:
-        built[enc.chat, key] = enc.prompts(built[key])
+    samples = ec.samples_by_checkpoint.get(name, ec.samples)
     extra = helmet.prompts(results, name, enc.count, ec, lengths)
-    chosen = first_of_cells(built[key], ec.samples_by_checkpoint.get(name, ec.samples), len(ec.depths))
-    prompts = [built[key][i] for i in chosen] + extra
-    encoded = [built[enc.chat, key][i] for i in chosen] + enc.prompts(extra)
+
+    def parts() -> Iterable[Part]:
+        """Each length's chosen prompts as the bank makes them, shortest first, then HELMET's."""
+        for n in lengths:
+            chosen = first_of_cells(bank.prompts(n), samples, len(ec.depths))
+            at = {i: j for j, i in enumerate(chosen)}
+            yield ([bank.prompts(n)[i] for i in chosen], [bank.ids(enc, n)[i] for i in chosen],
+                   [at[i] for i in bank.order(enc, n) if i in at])
+        if extra:
+            yield part(extra, enc.prompts(extra))
+
+    total = len(lengths) * sum(cell_size(t, samples, len(ec.depths)) for t in ec.tasks) + len(extra)
     answer = (hf_answerer(folder / "hf", enc.eos()) if ec.backend == "transformers"
               else our_answerer(model, enc.eos()))
-    rows, speed = run_tasks(answer, enc, prompts, f"eval {name}", encoded, ec.batch_tokens)
+    rows, speed = run_tasks(answer, enc, parts(), f"eval {name}", ec.batch_tokens, total)
     for r in rows:
         r["checkpoint"] = name
     results["tasks"][name] = mean_scores(rows)
