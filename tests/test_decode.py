@@ -275,3 +275,23 @@ def test_queries_after_a_cached_part_attend_in_one_flash_call_on_cuda():
                              cache.v[i:i + 1, :end].cpu().double(), None, None,
                              torch.arange(cached[i], end)[None], d**-0.5)[0]
         assert ((got[a:b].cpu().double() - want).norm() / want.norm()) < 1e-2, i
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_a_prefill_for_the_last_rows_gives_their_full_forward_hidden_states(name):
+    """`hidden(..., last=True)` over a cache: the final block for each document's last token
+    alone, the same states as the whole forward there; every row's keys still cached."""
+    from longctx.model.decode import Cache
+
+    torch.manual_seed(6)
+    model = Transformer(CONFIGS[name]).double().eval()
+    prompts = [torch.randint(0, 61, (n,)) for n in (9, 4, 13)]
+    cache = Cache(model.cfg.n_layers, 3)
+    bounds = np.cumsum([0] + [p.numel() for p in prompts]).tolist()
+    with torch.no_grad():
+        got = model.hidden(torch.cat(prompts), bounds, cache=cache, last=True)
+        want = torch.stack([model.hidden(p)[-1] for p in prompts])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)  # (FoX's gates are fp32)
+    assert cache.lengths == [9, 4, 13] and all(layer.lengths == [9, 4, 13] for layer in cache)
+    with pytest.raises(ValueError, match="decoding with a cache"):
+        model.hidden(prompts[0], last=True)

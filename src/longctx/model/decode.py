@@ -100,12 +100,14 @@ class LayerCache:
         self.lam = grown(self.lam, lam) if lam is not None else None
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_f: torch.Tensor | None,
-               bounds: list[int], backend=None, scale: float | None = None) -> torch.Tensor:
+               bounds: list[int], backend=None, scale: float | None = None, last: bool = False) -> torch.Tensor:
         """Append the new rows k, v (and the gates) of each document (packed, host boundaries
         `bounds`, one document of the cache each) and attend the new queries over everything
         cached. Prompts into an empty cache go through the model's attention backend `backend`
         with the documents' boundaries. `scale`: the logit scale when queries and keys are wider
-        than the values (SeqPE), else 1 / sqrt(head_dim)."""
+        than the values (SeqPE), else 1 / sqrt(head_dim). `last`: only each document's last new
+        query attends, one a document as in a decode step ([docs, H, D]; a document without new
+        tokens gets a row of no meaning)."""
         starts = list(self.lengths)
         spans = list(zip(bounds[:-1], bounds[1:], strict=True))
         if len(spans) != len(starts):
@@ -128,10 +130,13 @@ class LayerCache:
                 if lam_new is not None:
                     self.lam[i, s:s + b - a] = lam_new[a:b]
         self.lengths = [s + b - a for (a, b), s in zip(spans, starts, strict=True)]
-        if backend is not None and not any(starts) and not single:
+        if backend is not None and not any(starts) and not single and not last:
             cu = torch.tensor(bounds, dtype=torch.int32, device=q.device)
             return backend(q, k, v, cu, log_f, scale)
         scale = q.shape[-1] ** -0.5 if scale is None else scale
+        if last and not single:
+            ends = torch.tensor([max(b - 1, 0) for _, b in spans], device=q.device)
+            return self._step(q[ends], None if lam_new is None else lam_new[ends], scale)
         if single:
             return self._step(q, lam_new, scale)
         if q.is_cuda and lam_new is None and q.dtype in (torch.float16, torch.bfloat16) \
@@ -303,10 +308,9 @@ def _frequencies(model: Transformer, length: int) -> torch.Tensor | None:
 
 
 def _last_logits(model: Transformer, ids: torch.Tensor, bounds: list[int], cache: Cache) -> torch.Tensor:
-    """The next-token logits after each document's new tokens (the head on those rows only: a
-    64K-token prompt's full logits would be 64K x vocab)."""
-    hidden = model.hidden(ids, bounds, cache=cache)
-    return model.lm_head(hidden[torch.tensor(bounds[1:], device=hidden.device) - 1])
+    """The next-token logits after each document's new tokens (the final block and the head on
+    those rows only: a 64K-token prompt's full logits would be 64K x vocab)."""
+    return model.lm_head(model.hidden(ids, bounds, cache=cache, last=True))
 
 
 def _shareable(model: Transformer) -> bool:

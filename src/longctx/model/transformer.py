@@ -107,11 +107,15 @@ class Attention(nn.Module):
             self.register_buffer("alibi", -alibi_slopes(h), persistent=False)
         self.use_alibi = cfg.alibi
 
-    def forward(self, x: torch.Tensor, ctx: Context) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, x: torch.Tensor, ctx: Context,
+                lasts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(output, ACP's [kept, total] tiles or None): per-token projections, then the part that
         needs whole documents, per head (sequence parallelism wraps it in its exchanges:
-        train/parallel.py), then the per-token output."""
-        o, tiles = self.core(*self.project(x), ctx)
+        train/parallel.py), then the per-token output. `lasts` (decoding): the output of these
+        rows alone, each document's last new token (`decode.LayerCache.attend`'s `last`)."""
+        o, tiles = self.core(*self.project(x), ctx, last=lasts is not None)
+        if lasts is not None:
+            x = x[lasts]
         return self.output(o.reshape(x.shape[0], self.h * self.d), x), tiles
 
     def project(self, x: torch.Tensor) -> Heads:
@@ -131,7 +135,7 @@ class Attention(nn.Module):
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_f: torch.Tensor | None,
              k_gate: torch.Tensor | None, v_gate: torch.Tensor | None,
-             ctx: Context) -> tuple[torch.Tensor, torch.Tensor | None]:
+             ctx: Context, last: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """KV-shift, QK norms, RoPE, attention and the output norm over whole documents, per
         head: (o [N, heads, head_dim], ACP's tiles or None)."""
         cache = ctx.cache[self.index] if ctx.cache is not None else None
@@ -160,7 +164,7 @@ class Attention(nn.Module):
         q, k = q.to(v.dtype), k.to(v.dtype)
         tiles = None
         if cache is not None:
-            o = cache.attend(q, k, v, log_f, ctx.host, ctx.attend, ctx.scale)
+            o = cache.attend(q, k, v, log_f, ctx.host, ctx.attend, ctx.scale, last)
         elif ctx.acp_eps is not None:
             o, tiles = attention.fox_pruned(q, k, v, ctx.cu_seqlens, log_f, eps=ctx.acp_eps,
                                             logit_bound=self.logit_bound())
@@ -219,9 +223,14 @@ class Block(nn.Module):
         self.offload: HostOffload | None = None
         """Where full recomputation keeps the block's input (train's `offload_activations`)."""
 
-    def forward(self, x: torch.Tensor, ctx: Context) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, x: torch.Tensor, ctx: Context, last: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(output, ACP's tile counts or None): the counts are returned, not recorded, so the
-        block has no side effects to trip torch.compile or to count twice when recomputed."""
+        block has no side effects to trip torch.compile or to count twice when recomputed.
+        `last` (decoding, the final block): the output of each document's last new token alone."""
+        if last:
+            lasts = (ctx.cu_seqlens[1:].long() - 1).clamp(min=0)  # (a document without new tokens: any row)
+            a, _ = self.self_attn(self.input_layernorm(x), ctx, lasts)
+            return self._mlp_half(x[lasts] + a), None
         if ctx.cache is not None or not torch.is_grad_enabled():
             return self._residual(x, ctx)
         body, mode = (self._halves, "full") if self.recompute == "halves" else (self._residual, self.recompute)
@@ -374,14 +383,19 @@ class Transformer(nn.Module):
         return cos[None], sin[None]
 
     def hidden(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | list[int] | None = None,
-               position_ids: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+               position_ids: torch.Tensor | None = None, cache=None, last: bool = False) -> torch.Tensor:
         """Final hidden states [N, d_model] for packed ids [N] (or a batch [B, T], flattened).
         `cu_seqlens` may be on the host (a list, or a CPU tensor where no FSDP root moves it):
         backends that size kernels or route documents by length then read it there, with no sync.
         With a `decode.Cache`, ids continue the documents the cache holds (`cu_seqlens`: how many
         new tokens each; default all for one document, else one each). Under sequence
         parallelism (`sp_group`, set by train/parallel.py), every rank passes the whole
-        micro-batch and gets the hidden states of its own slice, `ulysses.bounds(N, sp_group)`."""
+        micro-batch and gets the hidden states of its own slice, `ulysses.bounds(N, sp_group)`.
+        `last` (with a cache): only each document's last new token's, [docs, d_model] (the final
+        block attends and runs its MLP for those rows alone: a prefill needs no more for its
+        next-token logits, and the cache takes every row's keys before that block's attention)."""
+        if last and cache is None:
+            raise ValueError("last: each document's last hidden state is for decoding with a cache")
         ids = input_ids.reshape(-1)
         n, device = ids.numel(), ids.device
         position_ids_given = position_ids is not None
@@ -411,8 +425,8 @@ class Transformer(nn.Module):
         pe = self._seqpe(position_ids.reshape(-1), top) if self.cfg.seqpe is not None else None
         ctx = self.attention_context(cu_seqlens, n, cos, sin, host, cache, pe)
         tiles = []
-        for layer in self.layers:
-            x, counts = layer(x, ctx)
+        for i, layer in enumerate(self.layers):
+            x, counts = layer(x, ctx, last and i == len(self.layers) - 1)
             if counts is not None:
                 tiles.append(counts)
         if tiles:
