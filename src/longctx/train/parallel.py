@@ -139,12 +139,12 @@ def _exchanged(attn, group: dist.ProcessGroup):
     # grouped KV heads repeated to one per query head when the groups do not split over the ranks
     repeat = attn.h // attn.hk if attn.hk % dist.get_world_size(group) else 1
 
-    def exchanged(q, k, v, log_f, k_gate, v_gate, ctx):
+    def exchanged(q, k, v, log_f, k_gate, v_gate, ctx, last=False):
         if repeat > 1:
             k, v, k_gate, v_gate = (None if t is None else t.repeat_interleave(repeat, dim=1)
                                     for t in (k, v, k_gate, v_gate))
         heads = (None if t is None else ulysses.seq_to_heads(t, group) for t in (q, k, v, log_f, k_gate, v_gate))
-        o, tiles = core(*heads, ctx)
+        o, tiles = core(*heads, ctx, last)
         return ulysses.heads_to_seq(o, group), tiles
 
     return exchanged
