@@ -8,8 +8,9 @@ attention, as the training MFU counts); FoX (Pro) with ours beside. Random weigh
 not depend on them); the answers of every mode are compared with batched ours. The tasks and
 depths are the gpu-64k profile's eval; `--without draft shared-prefix` times ours also without the
 guessed tokens a decode step (model/decode.py's prompt lookup), without the prompts' common prefixes
-prefilled once (every prompt whole) or without the prompts batched in the order of their ids (those
-that begin alike together), in the same run, and compares their answers.
+prefilled once (every prompt whole), without the prompts batched in the order of their ids (those
+that begin alike together) or without bf16 weights (fp32 ones under autocast: suite.inference_weights),
+in the same run, and compares their answers.
 
     python bench/eval_throughput.py --tokenizer data/tokens/tokenizer --out bench/results
 """
@@ -17,6 +18,7 @@ that begin alike together), in the same run, and compares their answers.
 from __future__ import annotations
 
 import argparse
+import copy
 import tempfile
 import time
 from pathlib import Path
@@ -37,7 +39,8 @@ from longctx.train.models import build
 EVAL = config.resolve({"profile": "gpu-64k"}).eval
 SWITCHES = {"shared-prefix": ("SHARED_PREFIX", False), "draft": ("DRAFT_TOKENS", 0)}
 """--without: the model/decode.py switch each names, and its value when off (alike-order: a length's
-prompts batched longest first, not in the order of their ids)."""
+prompts batched longest first, not in the order of their ids; bf16-weights: an fp32 copy of the model)."""
+OTHERS = ["alike-order", "bf16-weights"]
 
 
 def model(fox: bool, vocab: int, window: int) -> Transformer:
@@ -143,7 +146,7 @@ def main() -> None:
     parser.add_argument("--tasks", nargs="+", default=list(EVAL.tasks), help="default: the gpu-64k profile's")
     parser.add_argument("--depths", type=float, nargs="+", default=list(EVAL.depths),
                         help="needle depths, cycling over a task's prompts (default: the gpu-64k profile's)")
-    parser.add_argument("--without", nargs="*", choices=sorted(SWITCHES) + ["alike-order"], default=["draft"],
+    parser.add_argument("--without", nargs="*", choices=sorted(SWITCHES) + OTHERS, default=["draft"],
                         help="ours: also timed with each of these off (its answers compared with the default's)")
     args = parser.parse_args()
     tok = TextTokenizer.load(args.tokenizer)
@@ -159,6 +162,8 @@ def main() -> None:
             name = "FoX (Pro)" if fox else "Transformer"
             if not fox:
                 save_hf(m, Path(d) / "hf", args.tokenizer)
+            fp32 = copy.deepcopy(m) if "bf16-weights" in args.without else None
+            suite.inference_weights(m)
             for length in args.lengths:
                 t0 = time.perf_counter()  # the eval stage builds and encodes its prompts once, on the host
                 prompts = suite.build_prompts(enc, args.tasks, [length], args.per_task, args.depths, 0, haystack())
@@ -184,7 +189,8 @@ def main() -> None:
                     if attr:
                         setattr(decode, attr, off)
                     try:
-                        row[f"without_{switch}"], got = timed(ours, enc, prompts, encoded, args.batch_tokens,
+                        answer = suite.our_answerer(fp32, enc.eos()) if switch == "bf16-weights" else ours
+                        row[f"without_{switch}"], got = timed(answer, enc, prompts, encoded, args.batch_tokens,
                                                               alike=switch != "alike-order")
                     finally:
                         if attr:

@@ -2,7 +2,8 @@
 # The eval's speed on one GPU in one device call (issue 61; carry .whl for the CUDA tests' imports):
 # tests/test_decode.py on CUDA; then bench/eval_throughput.py at 16 prompts a task at every gpu-64k length
 # (the profile's tasks and depths), batches of 1M prompt tokens, each length as the eval runs it and with
-# each of WITHOUT off (default: draft, the decode steps' guessed tokens; or shared-prefix); transformers'
+# each of WITHOUT off (default: draft, the decode steps' guessed tokens; or shared-prefix,
+# alike-order, bf16-weights); transformers'
 # generate beside at PEER lengths; EXTRA: more options (e.g. --lengths 16384 65536).
 #   bash bench/gpu_eval_speed.sh      # results under $OUT/full
 set -uo pipefail

@@ -82,7 +82,7 @@ def run(cfg: Params, root: Path) -> None:
             suite.PromptBank(encoders, ec, haystack) as bank:  # the prompts, made while checkpoints score
         short = retention_split(cfg)
         for name, folder in ckpts.items():
-            model = _train.load(folder, cfg.model.attention_backend).to(device).eval()
+            model = suite.inference_weights(_train.load(folder, cfg.model.attention_backend).to(device).eval())
             rows, curve = suite.evaluate(results, name, model, folder, suite.Encoder(tok, name == "sft"), ec, data,
                                          windows[name], short, bank)
             rows_all += rows

@@ -295,3 +295,47 @@ def test_a_prefill_for_the_last_rows_gives_their_full_forward_hidden_states(name
     assert cache.lengths == [9, 4, 13] and all(layer.lengths == [9, 4, 13] for layer in cache)
     with pytest.raises(ValueError, match="decoding with a cache"):
         model.hidden(prompts[0], last=True)
+
+
+def test_eval_weights_stay_fp32_on_a_cpu_and_an_unknown_choice_is_refused(monkeypatch):
+    """On a CPU the eval computes in fp32 (exact); LONGCTX_EVAL_WEIGHTS admits bf16 or fp32."""
+    from longctx.errors import ConfigError
+    from longctx.eval import suite
+
+    model = Transformer(CONFIGS["llama"]).eval()
+    assert suite.inference_weights(model) is model
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    monkeypatch.setattr(suite, "WEIGHTS", "fp16")
+    with pytest.raises(ConfigError, match="LONGCTX_EVAL_WEIGHTS='fp16'"):
+        suite.inference_weights(model)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["llama", "fox_pro", "alibi"])
+def test_bf16_eval_weights_on_cuda_give_the_fp32_weights_logits_within_bf16_rounding(name):
+    """suite.inference_weights: parameters in bf16, ALiBi's slopes still fp32; a packed prefill's
+    last-row logits (cuDNN or the FoX kernel) within 3% of fp32 weights under autocast, and
+    decoding runs on them."""
+    import copy
+
+    from longctx.eval import suite
+
+    torch.manual_seed(5)
+    cfg = CONFIGS["llama" if name == "alibi" else name].model_copy(update={
+        "vocab_size": 512, "d_model": 128, "n_heads": 4, "n_kv_heads": 2, "max_position_embeddings": 8192,
+        **({"rope": None, "alibi": True} if name == "alibi" else {})})
+    fp32 = Transformer(cfg, "auto").cuda().eval()
+    model = suite.inference_weights(copy.deepcopy(fp32))
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    if name == "alibi":
+        assert model.layers[0].self_attn.alibi.dtype == torch.float32
+    ids = torch.randint(0, 512, (6000,), device="cuda")
+    bounds = [0, 5000, 6000]
+    ends = torch.tensor(bounds[1:], device="cuda") - 1
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        want = fp32.lm_head(fp32.hidden(ids, bounds)[ends]).float()
+        got = model.lm_head(model.hidden(ids, bounds)[ends]).float()
+        out = generate_batch(model, [ids[:5000], ids[5000:]], [4, 6])
+    assert ((got - want).norm() / want.norm()) < 0.03
+    assert [o.numel() for o in out] == [5004, 1006]

@@ -4,6 +4,7 @@ short-context retention."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -153,6 +154,27 @@ def first_of_cells(prompts: list[tasks.Prompt], samples: int, depths: int) -> li
         if k <= cell_size(p.task, samples, depths):
             out.append(i)
     return out
+
+
+WEIGHTS = os.environ.get("LONGCTX_EVAL_WEIGHTS", "bf16")
+"""A checkpoint's weights at eval on a GPU: bf16 (cast once) or fp32 (under bf16 autocast)."""
+
+
+def inference_weights(model: Transformer) -> Transformer:
+    """On a GPU, the model's floating-point parameters cast to bf16 once (buffers, ALiBi's slopes,
+    stay fp32): the residual stream, norms and rotary tables then compute in bf16, as training's
+    bf16 compute weights had them (train/precision.py). fp32 weights under autocast kept them in
+    fp32: such elementwise kernels took >= 15% of a 64K prefill's GPU time, 44% at 4K
+    (bench/results/eval-throughput-nvidia-h200-2026-12-03). LONGCTX_EVAL_WEIGHTS=fp32 keeps
+    those. In place; returns the model."""
+    if WEIGHTS not in ("bf16", "fp32"):
+        raise ConfigError(f"LONGCTX_EVAL_WEIGHTS={WEIGHTS!r}: give bf16 or fp32")
+    if WEIGHTS == "bf16" and next(model.parameters()).is_cuda:
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.is_floating_point():
+                    p.data = p.data.to(torch.bfloat16)
+    return model
 
 
 Answerer = Callable[[list[list[int]], list[int]], list[list[int]]]
