@@ -28,10 +28,10 @@ signal.signal(signal.SIGINT, lambda signum, frame: _interrupted.append(signum))
 from longctx.config import TrackingParams, load  # noqa: E402
 from longctx.errors import LongctxError  # noqa: E402
 from longctx.eval.summary import summary  # noqa: E402
-from longctx.tracking import experiment_id, tracking_uri  # noqa: E402
+from longctx.tracking import check_store, experiment_id, tracking_uri  # noqa: E402
 
 from .flows import StageFailed, gpu_ids, pipeline, workspace_lock  # noqa: E402
-from .server import prefect_api  # noqa: E402
+from .server import check_api, prefect_api  # noqa: E402
 
 signal.signal(signal.SIGINT, signal.default_int_handler)
 if _interrupted:
@@ -86,10 +86,14 @@ def main() -> None:
         os.environ["LONGCTX_GPUS"] = ",".join(g.strip() for g in args.gpus.split(","))
     ws = args.workspace.resolve()
     start = time.perf_counter()
-    try:  # bad params, GPUs named where there are none, or another run here: one line, before Prefect starts
+    try:  # bad params, GPUs named where there are none, a store or Prefect API that cannot take the run, or
+        # another run here: one line, before Prefect starts
         params = load(ws / "params.yaml")
         versioned(ws)
         gpus_present()
+        if params.tracking.enabled:
+            check_store(params.tracking, ws)
+        check_api()
         with workspace_lock(ws):
             pass
     except LongctxError as e:

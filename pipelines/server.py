@@ -22,11 +22,34 @@ from prefect.events.worker import EventsWorker
 from prefect.logging.handlers import APILogWorker
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
+from longctx.errors import ConfigError
+
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+PROBE_SECONDS = 5.0
+"""How long PREFECT_API_URL's server has to answer before the run (Prefect's client retries for
+minutes, then fails the flow in tracebacks)."""
+
+
+def check_api() -> None:
+    """PREFECT_API_URL, where set, names a Prefect API that answers: its /health says true. Said in
+    one line before the run: nothing listening, or another server on that address."""
+    if not (url := os.environ.get("PREFECT_API_URL")):
+        return
+    fix = "start it (`prefect server start`) or unset PREFECT_API_URL (the main command then starts its own)"
+    try:
+        reply = httpx.get(url.rstrip("/") + "/health", timeout=PROBE_SECONDS)
+    except (httpx.HTTPError, ValueError) as e:
+        raise ConfigError(f"PREFECT_API_URL={url}: no Prefect server answers there ({e or type(e).__name__}); "
+                          f"{fix}") from None
+    if reply.status_code != 200 or reply.text.strip() != "true":
+        raise ConfigError(f"PREFECT_API_URL={url}: the server there is not a Prefect API (GET /health: HTTP "
+                          f"{reply.status_code}, {reply.text.strip()[:60]!r}); point it at one's /api, or unset it")
 
 
 @contextmanager

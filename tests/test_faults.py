@@ -441,6 +441,52 @@ def test_the_main_command_refuses_bad_params_and_a_busy_workspace_in_one_line(tm
     assert not (ws / "data").exists()
 
 
+def test_the_main_command_refuses_stores_and_prefect_apis_that_cannot_take_the_run(tmp_path):
+    """Before anything runs, one line and exit 2 each: an MLflow server that does not answer, a
+    junk mlflow.db (left as it was), a PREFECT_API_URL where nothing listens, and one that is
+    another kind of server (a plain HTTP file server)."""
+    ws = tmp_path / "ws"
+    env = dvc_workspace(ws, SMALL)
+    main = [sys.executable, "-m", "pipelines", str(ws)]
+
+    def refused(extra: dict[str, str]) -> str:
+        done = subprocess.run(main, cwd=ws, env={**env, **extra}, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+        assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+        return done.stderr.strip()
+
+    said = refused({"MLFLOW_TRACKING_URI": "http://127.0.0.1:9"})
+    assert said.startswith("longctx pipeline: tracking.uri: the MLflow server at http://127.0.0.1:9 does not answer")
+    junk = b"not a database at all " * 64
+    (ws / "mlflow.db").write_bytes(junk)
+    assert refused({}) == (f"longctx pipeline: {ws / 'mlflow.db'}: not an MLflow store (file is not a database); "
+                           "move it aside (a new one is made) or set tracking.enabled: false")
+    assert (ws / "mlflow.db").read_bytes() == junk
+    (ws / "mlflow.db").unlink()
+    said = refused({"PREFECT_API_URL": "http://127.0.0.1:9/api"})
+    assert said.startswith("longctx pipeline: PREFECT_API_URL=http://127.0.0.1:9/api: no Prefect server answers "
+                           "there (") and "unset PREFECT_API_URL" in said, said
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    files = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"], cwd=tmp_path,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with socket.socket() as probe:
+                if probe.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.1)
+        said = refused({"PREFECT_API_URL": f"http://127.0.0.1:{port}/api"})
+    finally:
+        files.terminate()
+        files.wait()
+    assert said.startswith(f"longctx pipeline: PREFECT_API_URL=http://127.0.0.1:{port}/api: the server there is "
+                           "not a Prefect API (GET /health: HTTP 404"), said
+    assert not (ws / "data").exists() and not (ws / "mlflow.db").exists()
+
+
 def test_the_main_command_line_takes_help_a_workspace_and_gpus(capsys, tmp_path):
     """`--help` is help, not a workspace path; a second path or a bad --gpus is a usage error (exit 2)."""
     from pipelines.__main__ import arguments

@@ -246,15 +246,14 @@ def experiment_id(cfg: TrackingParams, root: Path) -> str:
     the workspace's mlartifacts/, marked as model training (EXPERIMENT_KIND)."""
     import mlflow
 
-    uri = tracking_uri(cfg, root)
+    uri = check_store(cfg, root)
     mlflow.set_tracking_uri(uri)
     store = (workspace_root(root) / "mlartifacts").resolve().as_uri()
     try:
         exp = mlflow.get_experiment_by_name(cfg.experiment)
-    except Exception as e:  # a corrupt SQLite file: MLflow's own error is a page of SQLAlchemy traceback
+    except Exception as e:  # a SQLite file corrupt past its header: MLflow's error is a page of SQLAlchemy's
         if uri.startswith("sqlite:///") and "not a database" in str(e):
-            raise DataError(f"{uri.removeprefix('sqlite:///')}: not an MLflow store (file is not a database); "
-                            "move it aside (a new one is made) or set tracking.enabled: false") from None
+            raise _not_a_store(uri) from None
         raise
     if exp is not None:
         moved = exp.artifact_location != store and exp.artifact_location.endswith("/mlartifacts")
@@ -262,6 +261,28 @@ def experiment_id(cfg: TrackingParams, root: Path) -> str:
             _move_artifacts_location(uri, exp.experiment_id, exp.artifact_location, store)
         return exp.experiment_id
     return mlflow.create_experiment(cfg.experiment, artifact_location=store, tags=EXPERIMENT_KIND)
+
+
+SQLITE_HEADER = b"SQLite format 3\x00"
+
+
+def check_store(cfg: TrackingParams, root: Path) -> str:
+    """The store's URI once it is known to take runs: a server that answers (tracking_uri), or a
+    SQLite file that is one or is still to be made. Checked by the main command before anything
+    runs (MLflow's client, handed a junk mlflow.db, printed pages of SQLAlchemy tracebacks)."""
+    uri = tracking_uri(cfg, root)
+    if uri.startswith("sqlite:///"):
+        path = Path(uri.removeprefix("sqlite:///"))
+        if path.is_file() and path.stat().st_size:
+            with path.open("rb") as fh:
+                if fh.read(len(SQLITE_HEADER)) != SQLITE_HEADER:
+                    raise _not_a_store(uri)
+    return uri
+
+
+def _not_a_store(uri: str) -> DataError:
+    return DataError(f"{uri.removeprefix('sqlite:///')}: not an MLflow store (file is not a database); "
+                     "move it aside (a new one is made) or set tracking.enabled: false")
 
 
 def _local_store(root: Path) -> str:
