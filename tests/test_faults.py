@@ -330,6 +330,27 @@ def test_a_killed_runs_temporaries_go_and_a_live_runs_stay(tmp_path):
     assert clear_stale(tmp_path) == [tmp_path / f".tokens.tmp-{host}-{dead}-a1"]
 
 
+def test_outputs_follow_the_umask(tmp_path):
+    """Under umask 022 an output folder is 0755 and its weights 0644 (mkdtemp's 0700 and safetensors'
+    0600 had kept other users, and a container of another UID, out of every model); under 077 both
+    stay private."""
+    from longctx.io import safetensors_file, umask
+
+    old = os.umask(0o022)
+    try:
+        for mask, folder_mode, file_mode in ((0o022, 0o755, 0o644), (0o077, 0o700, 0o600)):
+            os.umask(mask)
+            assert umask() == mask
+            with atomic_dir(tmp_path / f"model-{mask:o}") as tmp:
+                safetensors_file({"w": torch.zeros(2)}, tmp / "model.safetensors")
+                (tmp / "config.json").write_text("{}")
+            out = tmp_path / f"model-{mask:o}"
+            modes = {p.name: p.stat().st_mode & 0o777 for p in (out, *out.iterdir())}
+            assert modes == {out.name: folder_mode, "model.safetensors": file_mode, "config.json": file_mode}
+    finally:
+        os.umask(old)
+
+
 def test_the_space_pack_asks_for_bounds_what_it_writes(small_project):
     from longctx.config import load
     from longctx.data.pack import estimated_bytes

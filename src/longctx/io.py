@@ -48,6 +48,16 @@ def clear_stale(folder: str | os.PathLike, name: str | None = None) -> list[Path
     return removed
 
 
+def umask() -> int:
+    """The process's umask, read without setting it (os.umask sets it, for every thread)."""
+    with contextlib.suppress(OSError):
+        if m := re.search(r"^Umask:\s+([0-7]+)", Path("/proc/self/status").read_text(), re.M):
+            return int(m.group(1), 8)
+    old = os.umask(0o022)
+    os.umask(old)
+    return old
+
+
 @contextlib.contextmanager
 def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
     """Yield a fresh temp directory beside `final`; on success it replaces `final` whole.
@@ -59,6 +69,7 @@ def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
     final.parent.mkdir(parents=True, exist_ok=True)
     clear_stale(final.parent, final.name)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-{_owner()}-", dir=final.parent))
+    tmp.chmod(0o777 & ~umask())  # (mkdtemp's 0700 kept other users and containers out of every output)
     try:
         yield tmp
     except BaseException:
@@ -107,7 +118,8 @@ def check_room(folder: str | os.PathLike, need: int, what: str) -> None:
 
 
 def safetensors_file(tensors: dict, path: str | os.PathLike, metadata: dict[str, str] | None = None) -> None:
-    """safetensors' save_file, with its I/O failures (a full disk) raised as the OSError they are."""
+    """safetensors' save_file, with its I/O failures (a full disk) raised as the OSError they are,
+    and the file's mode the umask's (save_file's own temporary left it 0600)."""
     from safetensors import SafetensorError
     from safetensors.torch import save_file
 
@@ -118,6 +130,7 @@ def safetensors_file(tensors: dict, path: str | os.PathLike, metadata: dict[str,
         if code is None:
             raise
         raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from e
+    os.chmod(path, 0o666 & ~umask())
 
 
 def write_json(path: str | os.PathLike, obj: Any) -> None:
