@@ -9,8 +9,9 @@ not depend on them); the answers of every mode are compared with batched ours. T
 depths are the gpu-64k profile's eval; `--without draft shared-prefix` times ours also without the
 guessed tokens a decode step (model/decode.py's prompt lookup), without the prompts' common prefixes
 prefilled once (every prompt whole), without the prompts batched in the order of their ids (those
-that begin alike together) or without bf16 weights (fp32 ones under autocast: suite.inference_weights),
-in the same run, and compares their answers.
+that begin alike together), without bf16 weights (fp32 ones under autocast: suite.inference_weights)
+or without the fused RMSNorm, rotary and SwiGLU kernels (model/fused.py; its prefill timed too), in
+the same run, and compares their answers.
 
     python bench/eval_throughput.py --tokenizer data/tokens/tokenizer --out bench/results
 """
@@ -28,7 +29,7 @@ import torch
 from longctx import config
 from longctx.data.tokenizer import TextTokenizer
 from longctx.eval import needle, suite
-from longctx.model import decode
+from longctx.model import decode, fused
 from longctx.model.config import FoxConfig
 from longctx.model.hf import save_hf
 from longctx.model.transformer import Transformer
@@ -37,8 +38,9 @@ from longctx.train.loop import flop_params, peak_flops
 from longctx.train.models import build
 
 EVAL = config.resolve({"profile": "gpu-64k"}).eval
-SWITCHES = {"shared-prefix": ("SHARED_PREFIX", False), "draft": ("DRAFT_TOKENS", 0)}
-"""--without: the model/decode.py switch each names, and its value when off (alike-order: a length's
+SWITCHES = {"shared-prefix": (decode, "SHARED_PREFIX", False), "draft": (decode, "DRAFT_TOKENS", 0),
+            "fused": (fused, "FUSED", False)}
+"""--without: the module switch each names, and its value when off (alike-order: a length's
 prompts batched longest first, not in the order of their ids; bf16-weights: an fp32 copy of the model)."""
 OTHERS = ["alike-order", "bf16-weights"]
 
@@ -184,17 +186,22 @@ def main() -> None:
                         print(f"  {k['share']:>6.1%} {k['ms']:>9.1f} ms {k['calls']:>6}  {k['kernel']}")
                 row["batched"], want = timed(ours, enc, prompts, encoded, args.batch_tokens)
                 for switch in args.without:
-                    attr, off = SWITCHES.get(switch, (None, None))
-                    saved = getattr(decode, attr) if attr else None
+                    module, attr, off = SWITCHES.get(switch, (None, None, None))
+                    saved = getattr(module, attr) if attr else None
                     if attr:
-                        setattr(decode, attr, off)
+                        setattr(module, attr, off)
                     try:
                         answer = suite.our_answerer(fp32, enc.eos()) if switch == "bf16-weights" else ours
                         row[f"without_{switch}"], got = timed(answer, enc, prompts, encoded, args.batch_tokens,
                                                               alike=switch != "alike-order")
+                        if switch == "fused":
+                            off_s = prefill(m, encoded, args.batch_tokens)
+                            row["without_fused"].update(prefill_seconds=round(off_s, 3),
+                                                        prefill_flop_fraction=round(flops / off_s / peak, 4)
+                                                        if peak else None)
                     finally:
                         if attr:
-                            setattr(decode, attr, saved)
+                            setattr(module, attr, saved)
                     row[f"without_{switch}"]["same_answers"] = sum(a == b for a, b in zip(got, want, strict=True))
                     row[f"vs_without_{switch}"] = round(row["batched"]["prompts_per_s"]
                                                         / row[f"without_{switch}"]["prompts_per_s"], 2)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from . import attention, ulysses
+from . import attention, fused, ulysses
 from .config import ModelConfig
 from .fox import Acp
 from .loss import chunked_cross_entropy
@@ -38,6 +38,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fused.wanted(x):
+            return fused.kernels().rms_norm(x, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
@@ -150,7 +152,9 @@ class Attention(nn.Module):
                 cache.k_before, cache.v_before = k_raw[lasts], v_raw[lasts]
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        if ctx.cos is not None:
+        if ctx.cos is not None and fused.wanted(q):
+            q, k = (fused.kernels().rotate(t, ctx.cos, ctx.sin, v.dtype) for t in (q, k))
+        elif ctx.cos is not None:
             q = rotate(q.transpose(0, 1), ctx.cos, ctx.sin).transpose(0, 1)
             k = rotate(k.transpose(0, 1), ctx.cos, ctx.sin).transpose(0, 1)
         width = v.shape[-1]
@@ -209,7 +213,8 @@ class MLP(nn.Module):
         return torch.cat([checkpoint(self._swiglu, t, use_reentrant=False) for t in tiles])
 
     def _swiglu(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(fused.kernels().silu_mul(gate, up) if fused.wanted(x) else F.silu(gate) * up)
 
 
 class Block(nn.Module):
