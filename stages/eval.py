@@ -8,6 +8,7 @@ if not __package__:  # `python stages/eval.py`: stages/ leads sys.path, its toke
     raise SystemExit("run it as `python -m stages.eval` from the project root (or `dvc repro eval`)")
 
 import json
+import time
 from pathlib import Path
 
 from longctx.config import Params, flat
@@ -19,7 +20,7 @@ from longctx.eval.plots import family_figure
 from longctx.io import atomic_dir, write_json
 from longctx.tracking import stage_run
 
-from . import _train
+from . import STARTED, _train
 from ._run import METRICS, PACKED, PLOTS, TOKENS, compute_device, main, write_csv
 
 OUT = Path("reports") / "eval"
@@ -56,8 +57,26 @@ def retention_split(cfg: Params) -> PackedDataset | None:
     return PackedDataset(PACKED / name / "val") if name else None
 
 
+class Clock:
+    """Seconds of each phase since the last, for the lines that say where the stage's time went."""
+
+    def __init__(self, since: float):
+        self.last, self.laps = since, {}
+
+    def lap(self, name: str) -> float:
+        now = time.perf_counter()
+        self.laps[name] = self.laps.get(name, 0.0) + now - self.last
+        self.last = now
+        return self.laps[name]
+
+    def line(self) -> str:
+        return f"{sum(self.laps.values()):.1f} s (" + ", ".join(f"{k} {v:.1f}" for k, v in self.laps.items()) + ")"
+
+
 def run(cfg: Params, root: Path) -> None:
     """Evaluate every checkpoint with the same prompts."""
+    clock = Clock(STARTED)
+    clock.lap("imports")
     ec = cfg.eval
     ckpts = checkpoints(cfg)
     if unknown := sorted(set(ec.samples_by_checkpoint) - set(ckpts)):
@@ -72,6 +91,7 @@ def run(cfg: Params, root: Path) -> None:
                         "haystack, perplexity against length): give this split long data")
     first = data[found[0]]
     haystack = tok.tok.decode(first.input_ids[:first.doc_lens[0]].tolist())  # real text: one long document
+    clock.lap("data")  # the tokenizer, each checkpoint's window, the haystack
     device = compute_device()
     results = report.empty_results()
     rows_all, position_rows = [], []
@@ -81,8 +101,12 @@ def run(cfg: Params, root: Path) -> None:
     with stage_run(cfg.tracking, root, "eval", flat(ec, "eval")) as tracker, \
             suite.PromptBank(encoders, ec, haystack) as bank:  # the prompts, made while checkpoints score
         short = retention_split(cfg)
-        for name, folder in ckpts.items():
+        clock.lap("MLflow run")
+        for i, (name, folder) in enumerate(ckpts.items()):
             model = suite.inference_weights(_train.load(folder, cfg.model.attention_backend).to(device).eval())
+            loaded = clock.lap(f"{name} loaded" if i else "first checkpoint loaded")
+            if not i:
+                print(f"eval: ready in {clock.line()}", flush=True)
             rows, curve = suite.evaluate(results, name, model, folder, suite.Encoder(tok, name == "sft"), ec, data,
                                          windows[name], short, bank)
             rows_all += rows
@@ -92,6 +116,10 @@ def run(cfg: Params, root: Path) -> None:
                                for n, m in means.items())
             print(f"eval {name}: mean task score {scores}", flush=True)
             speed = results["throughput"][name]
+            spent = clock.lap(f"{name} scored")
+            print(f"eval {name}: {spent:.1f} s ({speed['seconds']:.1f} the tasks at {speed['prompts_per_s']:.1f} "
+                  f"prompts/s, {spent - speed['seconds']:.1f} perplexities and the rest; {loaded:.1f} its load)",
+                  flush=True)
             tracker.metrics({f"{name}.{t}.{n}": v for t, by in results["tasks"][name].items() for n, v in by.items()})
             tracker.metrics({f"{name}.{t}.{n}.{k}": cell[k] for t, by in results["cells"][name].items()
                              for n, cell in by.items() for k in ("n", "lo", "hi")})
@@ -111,7 +139,10 @@ def run(cfg: Params, root: Path) -> None:
         tracker.artifact(OUT / "comparison.md")
         tracker.artifact(OUT / "prompts.jsonl")  # every answer beside its gold: what a score of 0 wrote
         tracker.metrics({f"{c}.retention_ppl": v for c, v in results["retention_ppl"].items()})
+        clock.lap("outputs and figures")
+    clock.lap("MLflow run end")
     print((OUT / "comparison.md").read_text())
+    print(f"eval: {clock.line()}", flush=True)
 
 
 def write_outputs(results: dict, rows: list[dict], position_rows: list[dict]) -> None:

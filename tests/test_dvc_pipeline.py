@@ -35,6 +35,13 @@ def test_every_stage_runs_through_dvc_and_is_tracked(finished):
     for ckpt in ("base", "pretrain_stage1", "pretrain_stage2", "sft"):  # each checkpoint's scores as they come
         assert re.search(rf"eval {ckpt}: mean task score \d\.\d\d \[\d\.\d\d-\d\.\d\d\] at 256 \(n = \d+\), "
                          r"\d\.\d\d \[\d\.\d\d-\d\.\d\d\] at 512 \(n = \d+\)", out), ckpt
+        spent = re.search(rf"eval {ckpt}: ([\d.]+) s \(([\d.]+) the tasks at [\d.]+ prompts/s, [\d.-]+ perp", out)
+        assert spent and 0 < float(spent[2]) <= float(spent[1]), ckpt  # where each checkpoint's time went
+    # the stage's start, phase by phase, and its whole time, the phases adding up to it
+    ready = re.search(r"eval: ready in ([\d.]+) s \(imports ([\d.]+), data [\d.]+, MLflow run [\d.]+, first ", out)
+    assert ready and 0 < float(ready[2]) <= float(ready[1])
+    whole = re.search(r"eval: ([\d.]+) s \((.*)\)\n", out)
+    assert whole and abs(sum(float(p.rsplit(" ", 1)[1]) for p in whole[2].split(", ")) - float(whole[1])) < 0.5
     assert (ws / "data/packed/stage1/train/tokens.bin").stat().st_size > 0
     assert json.loads((ws / "metrics/pack.json").read_text())["stage1.train"]["sequences"] > 0
     assert (ws / "plots/length_hist.png").stat().st_size > 10_000

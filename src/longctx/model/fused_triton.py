@@ -14,12 +14,14 @@ import torch
 import triton
 import triton.language as tl
 
+# The token counts are not specialised on: a decode step's count (1, or not a multiple of 16) would
+# otherwise compile each kernel again in the middle of a timed eval.
 ROWS = 4
 """RMSNorm's tokens a program: enough work per program at d_model 768 without spilling at 4096."""
 SILU_BLOCK = 4096
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _rms_norm(x_ptr, w_ptr, y_ptr, n, stride_x, stride_y, eps, C: tl.constexpr, BLOCK: tl.constexpr,
               ROWS: tl.constexpr):
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)  # (offsets past 2^31)
@@ -48,7 +50,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return y.view(x.shape)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n"])
 def _rotate(x_ptr, cos_ptr, sin_ptr, y_ptr, n, heads, stride_xn, stride_xh, stride_c, stride_yn, stride_yh,
             HALF: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)  # (offsets past 2^31)
@@ -87,7 +89,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.d
     return y
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["size"])
 def _silu_mul(g_ptr, u_ptr, y_ptr, size, BLOCK: tl.constexpr):
     at = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = at < size
