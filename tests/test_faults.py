@@ -67,10 +67,12 @@ def _tokenizer(change: Callable[[Path], None]) -> Callable[[Path], None]:
 
 
 def _base(vocab: int | None = None, tokenizer: str | None = None, tensors_of: dict | None = None,
-          cut: bool = False) -> Callable[[Path], None]:
+          cut: bool = False, flip: bool = False, digests: bool = True) -> Callable[[Path], None]:
     """Writes models/base as the base stage would (a random model of the params' shape, its
     summary naming the tokenizer), then breaks it: another vocabulary or tokenizer, the tensors
-    of another shape (`tensors_of`: model params), or the weights file cut in half."""
+    of another shape (`tensors_of`: model params), the weights file cut in half, or 64 KiB of it
+    inverted in place (`flip`: it still parses). `digests=False`: its config without the weights'
+    digests, as a checkpoint assembled by hand (or saved before they were recorded)."""
     def setup(project: Path) -> None:
         from longctx.config import load
         from longctx.train.models import base_model, save_model
@@ -88,6 +90,15 @@ def _base(vocab: int | None = None, tokenizer: str | None = None, tensors_of: di
             shutil.rmtree(other)
         if cut:
             weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+        if flip:
+            data = bytearray(weights.read_bytes())
+            middle = len(data) // 2
+            data[middle:middle + 65536] = bytes(b ^ 0xFF for b in data[middle:middle + 65536])
+            weights.write_bytes(bytes(data))
+        if not digests:
+            config = json.loads((folder / "longctx_config.json").read_text())
+            del config["weights"]
+            (folder / "longctx_config.json").write_text(json.dumps(config))
     return setup
 
 
@@ -202,7 +213,7 @@ CASES = {
     "corrupt_tokenizer": Case("pack", {}, r"data/tokens/tokenizer.*tokenizer\.json",
                               setup=_tokenizer(lambda t: (t / "tokenizer.json").write_text('{"model": {"vocab'))),
     "checkpoint_wrong_shapes": Case("pretrain", FROM_BASE, r"models/base: tensor .* has shape \(1024, 48\)",
-                                    setup=_base(tensors_of={"d_model": 48})),
+                                    setup=_base(tensors_of={"d_model": 48}, digests=False)),
     "corrupt_mlflow_store": Case("pack", {}, r"mlflow\.db: not an MLflow store \(file is not a database\); move it "
                                  r"aside .* or set tracking\.enabled: false",
                                  setup=_write("mlflow.db", "not sqlite " * 200), env={"MLFLOW_TRACKING_URI": ""}),
@@ -213,8 +224,13 @@ CASES = {
     "checkpoint_config_stray_comma": Case("pretrain", FROM_BASE, r"models/base/longctx_config\.json: the "
                                           r"checkpoint's config is corrupt: Expecting property name",
                                           setup=_base_config_stray_comma),
-    "checkpoint_truncated": Case("pretrain", FROM_BASE, r"models/base/model\.safetensors: unreadable safetensors",
-                                 setup=_base(cut=True)),
+    "checkpoint_truncated": Case("pretrain", FROM_BASE, r"models/base/model\.safetensors: is [\d,]+ bytes, [\d,]+ "
+                                 r"were saved: the file is corrupt or was replaced", setup=_base(cut=True)),
+    "checkpoint_truncated_without_digests": Case("pretrain", FROM_BASE, r"models/base/model\.safetensors: "
+                                                 r"unreadable safetensors", setup=_base(cut=True, digests=False)),
+    "checkpoint_bytes_flipped": Case("rope_search", FROM_BASE, r"models/base/model\.safetensors: its SHA-256 is "
+                                     r"[0-9a-f]{12}\.\.\., [0-9a-f]{12}\.\.\. was saved: the file is corrupt",
+                                     setup=_base(flip=True)),
     "checkpoint_of_another_tokenizer": Case("pretrain", FROM_BASE,
                                             r"models/base: trained on tokens of tokenizer 0123456789abcdef.*"
                                             r"the tokenizer does not match the checkpoint",

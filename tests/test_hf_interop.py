@@ -4,6 +4,7 @@ directories `AutoModelForCausalLM` loads with the same logits, FoX round-trips n
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -141,6 +142,46 @@ def test_fox_round_trips_natively(tmp_path):
         assert torch.equal(model(ids), again(ids))
     with pytest.raises(ValueError, match="no HF architecture"):
         save_hf(model, tmp_path / "hf")
+
+
+def test_native_checkpoints_are_checked_against_their_weights_digests(tmp_path):
+    """Each weights file's size and SHA-256, recorded at save (every shard) and checked at load: a
+    byte changed in place, a shard gone, a malformed record; the committed tiny base carries them."""
+    import shutil
+
+    from longctx.model.hf import native_config
+
+    cfg = ModelConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=4, ffn_dim=48)
+    save_native(Transformer(cfg), tmp_path / "one")
+    save_native(Transformer(cfg), tmp_path / "sharded", shard_bytes=20_000)
+    recorded = json.loads((tmp_path / "sharded/longctx_config.json").read_text())["weights"]
+    shards = sorted(f.name for f in (tmp_path / "sharded").glob("model-*.safetensors"))
+    assert len(shards) > 2 and sorted(recorded) == shards
+    weights = tmp_path / "one/model.safetensors"
+    assert json.loads((tmp_path / "one/longctx_config.json").read_text())["weights"]["model.safetensors"]["bytes"] \
+        == weights.stat().st_size
+    load_native(tmp_path / "one")
+    data = bytearray(weights.read_bytes())
+    data[-100] ^= 1  # one bit of the last tensor: safetensors still reads it
+    weights.write_bytes(bytes(data))
+    with pytest.raises(DataError, match=r"one/model\.safetensors: its SHA-256 is [0-9a-f]{12}\.\.\., [0-9a-f]{12}"):
+        load_native(tmp_path / "one")
+    assert native_config(tmp_path / "one") == cfg  # the config alone reads no weights
+    (tmp_path / "sharded" / shards[1]).unlink()
+    with pytest.raises(DataError, match=rf"sharded/{shards[1]}: missing"):
+        load_native(tmp_path / "sharded")
+    config = tmp_path / "sharded/longctx_config.json"
+    config.write_text(json.dumps(dict(json.loads(config.read_text()), weights={shards[0]: "abc"})))
+    with pytest.raises(DataError, match=r"longctx_config\.json: weights: .* bytes and sha256 expected"):
+        load_native(tmp_path / "sharded")
+    base = tmp_path / "tiny-base"
+    shutil.copytree(Path(__file__).parents[1] / "checkpoints/tiny-base", base)
+    load_native(base)
+    data = bytearray((base / "model.safetensors").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (base / "model.safetensors").write_bytes(bytes(data))
+    with pytest.raises(DataError, match="the file is corrupt or was replaced"):
+        load_native(base)
 
 
 def test_bad_checkpoints_name_the_problem(tmp_path):

@@ -4,11 +4,13 @@ architecture for. Our parameter names are HF Llama's with the `model.` prefix dr
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import shutil
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -180,13 +182,46 @@ def save_hf(model: Transformer, folder: str | Path, tokenizer_dir: str | Path | 
 
 
 def save_native(model: Transformer, folder: str | Path, shard_bytes: int = SHARD_BYTES) -> None:
-    """Our format (any model, FoX included): safetensors + longctx_config.json."""
+    """Our format (any model, FoX included): safetensors + longctx_config.json, which records each
+    weights file's size and SHA-256 (checked on load: a flipped byte in a weights file still
+    parses, and would be trained from)."""
     def write(out: Path) -> None:
-        meta = {"format_version": FORMAT_VERSION, "model": model.cfg.model_dump(mode="json")}
-        (out / "longctx_config.json").write_text(json.dumps(meta, indent=2) + "\n")
         _save_weights(model, out, "", shard_bytes)
+        files = sorted(f.name for f in out.iterdir() if WEIGHTS.fullmatch(f.name))
+        meta = {"format_version": FORMAT_VERSION, "model": model.cfg.model_dump(mode="json"),
+                "weights": dict(zip(files, _digests([out / f for f in files]), strict=True))}
+        (out / "longctx_config.json").write_text(json.dumps(meta, indent=2) + "\n")
 
     _swap_in(Path(folder), write)
+
+
+WEIGHTS = re.compile(r"model(-\d+-of-\d+)?\.safetensors")
+
+
+def _digests(files: list[Path]) -> list[dict]:
+    """{bytes, sha256} of each file, hashed side by side (hashlib releases the GIL: an 8B model's
+    shards at the disk's speed, not one core's)."""
+    def digest(f: Path) -> dict:
+        with f.open("rb") as fh:
+            return {"bytes": f.stat().st_size, "sha256": hashlib.file_digest(fh, "sha256").hexdigest()}
+
+    with ThreadPoolExecutor(max_workers=min(8, max(1, len(files)))) as pool:
+        return list(pool.map(digest, files))
+
+
+def check_weights(folder: Path, recorded: dict) -> None:
+    """Each weights file as it was saved (`recorded`: longctx_config.json's `weights`)."""
+    names = sorted(recorded)
+    missing = [n for n in names if not (folder / n).is_file()]
+    if missing:
+        raise DataError(f"{folder / missing[0]}: missing (the checkpoint was saved with {names})")
+    for name, got in zip(names, _digests([folder / n for n in names]), strict=True):
+        want = recorded[name]
+        if got != want:
+            what = (f"is {got['bytes']:,} bytes, {want['bytes']:,} were saved" if got["bytes"] != want["bytes"]
+                    else f"its SHA-256 is {got['sha256'][:12]}..., {want['sha256'][:12]}... was saved")
+            raise DataError(f"{folder / name}: {what}: the file is corrupt or was replaced since the checkpoint "
+                            "was written; restore it or run the stage that made it again")
 
 
 EXPORTED = re.compile(r"(longctx_config|config|generation_config|special_tokens_map)\.json|tokenizer.*|"
@@ -219,7 +254,12 @@ def _link(src: str | Path, dst: str | Path) -> None:
 
 def native_config(folder: str | Path) -> ModelConfig:
     """A checkpoint's model config, without reading its weights."""
-    path = Path(folder) / "longctx_config.json"
+    return _native_meta(Path(folder))[0]
+
+
+def _native_meta(folder: Path) -> tuple[ModelConfig, dict | None]:
+    """The config and the weights files' digests (None: a checkpoint saved before they were kept)."""
+    path = folder / "longctx_config.json"
     if not path.is_file():
         raise DataError(f"{path}: not found (not a longctx checkpoint)")
     meta = read_json(path, "the checkpoint's config")
@@ -227,15 +267,23 @@ def native_config(folder: str | Path) -> ModelConfig:
         raise DataError(f"{path}: the checkpoint's config is corrupt: a JSON object expected")
     if meta.get("format_version") != FORMAT_VERSION:
         raise DataError(f"{path}: format_version {meta.get('format_version')!r}, this longctx reads {FORMAT_VERSION}")
+    weights = meta.get("weights")
+    if weights is not None and not (isinstance(weights, dict) and all(
+            isinstance(d, dict) and set(d) == {"bytes", "sha256"} for d in weights.values())):
+        raise DataError(f"{path}: weights: the checkpoint's config is corrupt: each weights file's bytes and sha256 "
+                        "expected")
     try:
-        return ModelConfig.model_validate(meta["model"])
+        return ModelConfig.model_validate(meta["model"]), weights
     except ValueError as e:
         raise DataError(f"{path}: model: {e}") from None
 
 
 def load_native(folder: str | Path, dtype: torch.dtype = torch.float32, attention_backend: str = "auto") -> Transformer:
     folder = Path(folder)
-    model = Transformer(native_config(folder), attention_backend).to(dtype)
+    cfg, weights = _native_meta(folder)
+    if weights is not None:
+        check_weights(folder, weights)
+    model = Transformer(cfg, attention_backend).to(dtype)
     load_state(model, {k: v.to(dtype) for k, v in _read_weights(folder).items()}, str(folder))
     return model
 
