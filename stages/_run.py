@@ -11,8 +11,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from longctx import config
-from longctx.errors import ConfigError, LongctxError, Terminated
-from longctx.io import DISK_ERRNOS, check_room
+from longctx.data.tokenizer import TextTokenizer
+from longctx.errors import ConfigError, DataError, LongctxError, Terminated
+from longctx.io import DISK_ERRNOS, check_room, read_json
 
 DATA = Path("data")
 CORPORA = DATA / "corpora"
@@ -83,6 +84,18 @@ def _under_dvc() -> str:
     if not stage:
         return ""
     return f" (DVC removed this stage's earlier outputs before it ran: `dvc checkout {stage}` restores them)"
+
+
+def tokenizer() -> tuple[TextTokenizer, dict]:
+    """data/tokens/tokenizer and the token index, the tokenizer the one tokenize made the tokens
+    with: a folder replaced since would be read by eval beside checkpoints trained on the other,
+    and would ship in a model's HF export beside its summary naming the other."""
+    index = read_json(TOKENS / "index.json", "token index")
+    tok = TextTokenizer.load(TOKENS / "tokenizer")
+    if tok.fingerprint != index["fingerprint"]:
+        raise DataError(f"{TOKENS / 'tokenizer'}: changed since tokenize ran (fingerprint {tok.fingerprint}, the "
+                        f"tokens were made with {index['fingerprint']}): restore it or rerun the tokenize stage")
+    return tok, index
 
 
 def write_csv(path: Path, rows: list[dict]) -> None:

@@ -22,7 +22,7 @@ from longctx.train.loop import mean_loss, train
 from longctx.train.models import load_model, save_model
 from longctx.train.parallel import Parallel, unshard, with_sequence_parallel
 
-from ._run import METRICS, PACKED, TOKENS
+from ._run import METRICS, PACKED, TOKENS, tokenizer
 
 MODELS = Path("models")
 PLOT_COLUMNS = ["step", "loss", "lr", "grad_norm", "tokens_per_s"]
@@ -70,7 +70,9 @@ def run_folder(name: str, stage: StageParams, model: Transformer, init: str) -> 
 
 @contextlib.contextmanager
 def tracked(cfg: Params, root: Path, name: str, par: Parallel) -> Iterator[Tracker]:
-    """The stage's MLflow run on the main rank; a tracker that records nothing on the others."""
+    """The stage's MLflow run on the main rank; a tracker that records nothing on the others. The
+    tokenizer is checked first: the model's summary and export will name it."""
+    tokenizer()
     if not par.main:
         yield Tracker()
         return
@@ -123,10 +125,10 @@ TIMINGS = ("tokens_per_s",)
 def save(model: Transformer, folder: Path, summary: dict) -> None:
     """The model (ours + HF export, with the tokenizer) and its training summary (no timings;
     the tokenizer's fingerprint, checked by `load`)."""
+    _, index = tokenizer()  # (again: the folder may have been replaced while the stage trained)
     save_model(model, folder, TOKENS / "tokenizer")
-    tokenizer = read_json(TOKENS / "index.json", "token index")["fingerprint"]
     write_json(folder / "summary.json", {k: v for k, v in summary.items() if k not in TIMINGS}
-               | {"tokenizer": tokenizer})
+               | {"tokenizer": index["fingerprint"]})
 
 
 def write_metrics(name: str, summary: dict) -> None:

@@ -13,7 +13,6 @@ from pathlib import Path
 
 from longctx.config import Params, flat
 from longctx.data.loader import PackedDataset
-from longctx.data.tokenizer import TextTokenizer
 from longctx.errors import ConfigError, DataError
 from longctx.eval import needle, report, suite
 from longctx.eval.plots import family_figure
@@ -21,7 +20,7 @@ from longctx.io import atomic_dir, write_json
 from longctx.tracking import stage_run
 
 from . import STARTED, _train
-from ._run import METRICS, PACKED, PLOTS, TOKENS, compute_device, main, write_csv
+from ._run import METRICS, PACKED, PLOTS, TOKENS, compute_device, main, tokenizer, write_csv
 
 OUT = Path("reports") / "eval"
 PLOT_DIR = PLOTS / "eval"
@@ -82,7 +81,7 @@ def run(cfg: Params, root: Path) -> None:
     if unknown := sorted(set(ec.samples_by_checkpoint) - set(ckpts)):
         raise ConfigError(f"eval.samples_by_checkpoint: {unknown} name no checkpoint this run evaluates "
                           f"(it evaluates {list(ckpts)})")
-    tok = TextTokenizer.load(TOKENS / "tokenizer")
+    tok, _ = tokenizer()
     windows = suite.windows(ckpts, tok, TOKENS / "tokenizer", ec.lengths)
     data = long_split(cfg)
     found = needle.long_documents(data, 1)

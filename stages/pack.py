@@ -11,12 +11,11 @@ from pathlib import Path
 from longctx.config import Params, flat
 from longctx.data.pack import estimated_bytes, pack_all
 from longctx.data.stats import format_table, plot_proportions
-from longctx.data.tokenizer import TextTokenizer
 from longctx.errors import DataError
 from longctx.io import atomic_dir, check_room, read_json, write_json
 from longctx.tracking import stage_run
 
-from ._run import METRICS, PACKED, PLOTS, TOKENS, main
+from ._run import METRICS, PACKED, PLOTS, TOKENS, main, tokenizer
 
 
 def check_tokens(cfg: Params) -> dict:
@@ -25,10 +24,7 @@ def check_tokens(cfg: Params) -> dict:
     if index.get("tokenizer_spec") != cfg.tokenize.tokenizer.model_dump(mode="json"):
         raise DataError(f"{TOKENS}: made with tokenizer {index.get('tokenizer_spec')}, but params now ask for "
                         f"{cfg.tokenize.tokenizer.model_dump(mode='json')}: rerun the tokenize stage")
-    now = TextTokenizer.load(TOKENS / "tokenizer").fingerprint
-    if now != index["fingerprint"]:
-        raise DataError(f"{TOKENS / 'tokenizer'}: changed since tokenize ran (fingerprint {now}, shards made "
-                        f"with {index['fingerprint']}): rerun the tokenize stage")
+    tokenizer()
     for d in cfg.corpora.domains:
         if d not in index["domains"]:
             raise DataError(f"{TOKENS}: no shards for domain {d!r}: rerun the tokenize stage")

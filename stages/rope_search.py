@@ -14,7 +14,6 @@ from pathlib import Path
 from longctx.config import Params, flat
 from longctx.data.loader import PackedDataset
 from longctx.data.stats import format_table
-from longctx.data.tokenizer import TextTokenizer
 from longctx.errors import ConfigError, DataError
 from longctx.io import atomic_dir, write_json
 from longctx.model.rope import hf_rope_parameters
@@ -24,7 +23,7 @@ from longctx.ropesearch.space import Space
 from longctx.tracking import stage_run
 
 from . import _train
-from ._run import METRICS, PACKED, PLOTS, TOKENS, compute_device, main, write_csv
+from ._run import METRICS, PACKED, PLOTS, TOKENS, compute_device, main, tokenizer, write_csv
 
 OUT = _train.MODELS / "rope_search"
 
@@ -87,7 +86,7 @@ def run(cfg: Params, root: Path) -> None:
                   rs.search_attention)
     split = pick_split(cfg, target)
     data = PackedDataset(PACKED / split / "val")
-    tok = TextTokenizer.load(TOKENS / "tokenizer")
+    tok, _ = tokenizer()
     if tok.vocab_size > model.cfg.vocab_size:
         raise DataError(f"{TOKENS / 'tokenizer'}: {tok.vocab_size} tokens, the checkpoint's vocabulary has "
                         f"{model.cfg.vocab_size}: the tokenizer does not match the checkpoint")

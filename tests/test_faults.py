@@ -131,6 +131,16 @@ def _every_checkpoint(project: Path) -> None:
         shutil.copytree(project / "models/base", project / "models" / name)
 
 
+def _tokenizer_swapped(project: Path) -> None:
+    """Every checkpoint written, then data/tokens/tokenizer replaced by another (its chat template
+    changed: a tokenizer of another fingerprint) after the tokens were made."""
+    from longctx.data.tokenizer import TextTokenizer
+
+    _every_checkpoint(project)
+    folder = project / "data/tokens/tokenizer"
+    (folder / "chat_template.jinja").write_text(TextTokenizer.load(folder).chat_template + "{# another #}")
+
+
 def _factors(long: list) -> Callable[[Path], None]:
     return lambda project: (_base()(project), (project / "factors.json").write_text(
         json.dumps({"long_factor": long, "original_max_position_embeddings": 256})))
@@ -228,6 +238,11 @@ CASES = {
                                  r"were saved: the file is corrupt or was replaced", setup=_base(cut=True)),
     "checkpoint_truncated_without_digests": Case("pretrain", FROM_BASE, r"models/base/model\.safetensors: "
                                                  r"unreadable safetensors", setup=_base(cut=True, digests=False)),
+    "tokenizer_swapped_before_sft": Case("sft", FROM_BASE, r"data/tokens/tokenizer: changed since tokenize ran "
+                                         r"\(fingerprint [0-9a-f]{16}, the tokens were made with [0-9a-f]{16}\)",
+                                         setup=_tokenizer_swapped),
+    "tokenizer_swapped_before_eval": Case("eval", FROM_BASE, r"data/tokens/tokenizer: changed since tokenize ran",
+                                          setup=_tokenizer_swapped),
     "checkpoint_bytes_flipped": Case("rope_search", FROM_BASE, r"models/base/model\.safetensors: its SHA-256 is "
                                      r"[0-9a-f]{12}\.\.\., [0-9a-f]{12}\.\.\. was saved: the file is corrupt",
                                      setup=_base(flip=True)),
