@@ -1,4 +1,4 @@
-# Shared by bench/gpu_base_diag.sh and bench/gpu_stage_diag.sh (sourced from the project root, $out set):
+# Used by bench/gpu_base_diag.sh (sourced from the project root, $out set):
 # a workspace of the project's own files and a stage run in it, its output in $out/<log>.log.
 root=$PWD
 copy_project() {  # folder: emptied, then the project without data, models, results or the wheel folder

@@ -132,7 +132,9 @@ def run(cfg: Params, root: Path) -> None:
         tracker.metrics({f"{c}.vs_{against}.{t}.{n}": sign[v["verdict"]] for c, by in results["verdicts"].items()
                          for against, cmp in by.items() for t, at in cmp.items() if t != "vs" for n, v in at.items()})
         write_outputs(results, rows_all, position_rows)
-        for f in ("scores.csv", "position_loss.csv", "score_vs_length.png", "position_loss.png", "niah_heatmap.png"):
+        tracker.metrics({f"{c}.loss_at_{band}": v for c, by in results["position_loss"].items()
+                         for band, v in by.get("bands", {}).items()})
+        for f in ("position_loss.png", "position_loss.csv", "score_vs_length.png", "scores.csv", "niah_heatmap.png"):
             tracker.artifact(PLOT_DIR / f)
         tracker.figure(lambda: family_figure(results["tasks"], results["windows"]), "score_by_family.png")
         tracker.artifact(OUT / "comparison.md")

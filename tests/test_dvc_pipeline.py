@@ -119,6 +119,9 @@ def test_every_stage_runs_through_dvc_and_is_tracked(finished):
     assert len(prompts) == 11 * 2 * 4
     assert "| sft |" in (ws / "reports/eval/comparison.md").read_text()
     assert runs["eval"].data.metrics["eval/sft.prompts_per_s"] > 0
+    assert set(ev["position_loss"]["sft"]["bands"]) == {"0-256", "256-512", "512-2048"}  # on the code documents
+    assert runs["eval"].data.metrics["eval/sft.loss_at_512-2048"] == pytest.approx(
+        ev["position_loss"]["sft"]["bands"]["512-2048"])
     assert {"comparison.md", "score_by_family.png"} <= {a.path for a in client.list_artifacts(runs["eval"].info.run_id)}
     # each training stage's loss curve as a figure beside its CSV
     assert {"train_base.csv", "train_base.png"} <= {a.path for a in client.list_artifacts(runs["base"].info.run_id)}

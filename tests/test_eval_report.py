@@ -57,6 +57,11 @@ def test_score_tables_read_memory_and_json_alike():
         "| base | 0.500 | 0.375 | 12.50 |", "| sft | 0.500 | skipped | n/a |"]
     results["means"] = {"base": {"256": {"mean": 0.5, "n": 20, "lo": 0.3, "hi": 0.7}}}  # as read back from JSON
     assert report.comparison(results).splitlines()[2] == "| base | 0.50 [0.30-0.70] (20) | 0.375 | 12.50 |"
+    results["position_loss"] = {"base": {"documents": 3, "bands": {"0-256": 3.25, "256-512": 2.5}},
+                                "sft": {"positions": 256, "mean": 3.0}}  # (a result of older runs: no bands)
+    assert report.comparison(results).splitlines()[-4:] == [
+        "| checkpoint | documents | 0-256 | 256-512 |", "|---|---|---|---|",
+        "| base | 3 | 3.250 | 2.500 |", "| sft | - | - | - |"]
 
 
 def test_mean_scores_average_the_prompts_of_a_task_at_a_length():
@@ -93,6 +98,11 @@ def test_perplexities_at_every_length_documents_reach(small_project, tok, long_v
         nll = sum(torch.nn.functional.cross_entropy(model(d)[:-1], d[1:], reduction="sum") for d in docs) / (2 * 255)
     assert results["ppl_by_length"]["m"][256] == pytest.approx(math.exp(float(nll)), rel=1e-4)
     assert results["position_loss"]["m"]["positions"] == 2048
+    losses = needle.position_loss(model, [long_val[i].input_ids[:2048] for i in needle.long_documents(long_val, 2048)[:2]])
+    bands = results["position_loss"]["m"]["bands"]
+    assert list(bands) == ["0-32", "32-256", "256-2048"]  # between the lengths documents reach
+    assert bands["32-256"] == pytest.approx(float(losses[32:256].mean()))
+    assert bands["0-32"] > bands["256-2048"]  # more context, a lower loss (a trained model)
     positions = [r["position"] for r in curve]
     assert positions == sorted(positions) and positions[-1] == 2047  # 2047 next-token losses in 2048 tokens
     assert {r["checkpoint"] for r in curve} == {"m"}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from longctx.eval import report, stats
@@ -80,3 +82,25 @@ def test_two_runs_pair_on_the_prompts_both_asked():
     assert paired["sft"]["all"][512] == {"n": 10, "wins": 8, "losses": 0, "p": pytest.approx(2 * 0.5**8),
                                          "verdict": "better"}
     assert "| sft | better (8-0) |" in compare.table(paired, "exp-a", "HEAD")
+
+
+def test_two_workspaces_prompts_files_pair_without_git_or_dvc(tmp_path, capsys):
+    """bench/gpu_recipe.sh's route: each variant's reports/eval/prompts.jsonl named as it is."""
+    from longctx.eval import compare
+
+    def write(name, scores):
+        path = tmp_path / name / "prompts.jsonl"
+        path.parent.mkdir()
+        path.write_text("".join(json.dumps({"checkpoint": "pretrain_stage2", "task": "passkey", "length": 65536,
+                                            "score": s}) + "\n" for s in scores))
+        return str(path)
+
+    new, old = write("long", [1.0] * 9 + [0.0]), write("control", [0.0] * 10)
+    compare.main([new, old])
+    assert "| pretrain_stage2 | better (9-0) |" in capsys.readouterr().out
+    bad = tmp_path / "control" / "prompts.jsonl"
+    bad.write_text('{"checkpoint": "sft"}\n')
+    with pytest.raises(SystemExit) as e:
+        compare.main([new, str(bad)])
+    assert e.value.code == 2
+    assert f"{bad}: not the eval's scored prompts" in capsys.readouterr().err

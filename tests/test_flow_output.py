@@ -122,6 +122,8 @@ def _eval_json(folder, prompts: dict) -> None:
           "verdicts": report.verdicts(rows, list(prompts)), "best": report.best(rows, list(prompts)),
           "ppl_by_length": {"base": {"512": 20.0, "2048": 90.0}, "pretrain_stage2": {"512": 19.0, "2048": 25.0}},
           "needle_ppl": {"base": {"2048": 40.0}}, "retention_ppl": {"base": 21.5},
+          "position_loss": {c: {"documents": 3, "bands": {"0-512": 3.1, "512-2048": 2.5 + 0.5 * (c == "base")}}
+                            for c in prompts},
           "windows": {"base": 512, "pretrain_stage2": 8192}}
     (folder / "metrics").mkdir(exist_ok=True)
     (folder / "metrics/eval.json").write_text(json.dumps(ev))
@@ -146,6 +148,8 @@ def test_the_final_table_shows_every_task_at_every_length_and_names_the_best(tmp
         ["mean", "0.00", "[0.00-0.16]*", "0.60", "[0.39-0.78]"], ["vs", "base", "better", "12-0"],
         ["perplexity"], ["at", "2048", "tokens", "90.0", "25.0"], ["needle", "at", "2048", "tokens", "40.0", "n/a"],
         ["short", "context", "21.5", "n/a"],
+        ["loss", "by", "position", "(mean", "over", "3", "long", "documents)"],
+        ["tokens", "0-512", "3.100", "3.100"], ["tokens", "512-2048", "3.000", "2.500"],
         ["*", "beyond", "the", "checkpoint's", "window", "(the", "length", "it", "was", "trained", "to)"],
         ["best", "at", "2048", "tokens:", "pretrain_stage2", "(mean", "task", "score", "0.60;", "better",
          "than", "every", "other", "checkpoint", "on", "the", "same", "prompts", "at", "95%)"]]

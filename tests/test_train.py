@@ -64,6 +64,33 @@ def test_loss_is_the_mean_over_all_valid_tokens_of_the_step(small_project):
     torch.testing.assert_close(total, plain)
 
 
+def test_unmasked_batches_let_a_sequences_documents_see_each_other(small_project):
+    """train.*.document_mask false (issue 62's ablation): one document a packed sequence to
+    attention, positions and labels; masked, a document's first token cannot see the one before."""
+    from longctx.model.loss import IGNORE
+
+    data = PackedDataset(small_project / "data/packed/stage1/train")
+    i = next(i for i in range(len(data)) if len(data[i].cu_seqlens) > 2)  # a sequence of several documents
+    masked, open_ = (make_batch(data, [i], torch.device("cpu"), documents=d) for d in (True, False))
+    n = len(data[i].input_ids)
+    assert open_.cu_seqlens.tolist() == [0, n] and len(masked.cu_seqlens) > 2
+    assert torch.equal(open_.labels[:-1], open_.ids[1:]) and open_.labels[-1] == IGNORE
+    cut = int(masked.cu_seqlens[1])
+    assert masked.labels[cut - 1] == IGNORE and open_.labels[cut - 1] == open_.ids[cut]
+    model = tiny_model().double()
+    with torch.no_grad():  # the second document's logits change once it sees the first
+        a, b = model(masked.ids, masked.cu_seqlens), model(open_.ids, open_.cu_seqlens)
+    torch.testing.assert_close(a[:cut], b[:cut])
+    assert not torch.allclose(a[cut:], b[cut:])
+    from longctx.train.loop import step_batches
+    from longctx.train.parallel import Parallel
+
+    cfg = RunParams(steps=4, lr=1e-3, micro_batch=2, document_mask=False)  # the stage's path takes the switch
+    samples, [step] = step_batches(data, 0, cfg, Parallel(device=torch.device("cpu")))
+    lengths = [len(data[j].input_ids) for j in samples]
+    assert len(step.cu_seqlens) == 3 and sorted(torch.diff(step.cu_seqlens).tolist()) == sorted(lengths)
+
+
 def read_losses(path: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in path.read_text().splitlines()]
 

@@ -284,6 +284,10 @@ class RunParams(Strict):
     seed: int = 0
     checkpoint_every: PositiveInt = 100
     keep_last: PositiveInt = 2
+    document_mask: bool = True
+    """Each packed document attends to itself alone, its positions from 0 (ProLong's choice); false:
+    a packed sequence is one stream, its documents attending to those before them (the ablation's
+    baseline). Validation is masked either way, so the two compare on one loss."""
     loss_chunk: PositiveInt = 2048
     activation_checkpointing: Recompute = "none"
     """Per block: none, full (recompute the block in the backward), halves (full, each half's backward

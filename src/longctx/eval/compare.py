@@ -5,6 +5,7 @@ seed, so two runs with the same eval seed and lengths ask the same prompts (a ru
 checkpoint of the other on the prompts both asked (sign test, 95%).
 
     python -m longctx.eval.compare exp-1a2b3 HEAD      # experiment vs the committed run
+    python -m longctx.eval.compare a/reports/eval/prompts.jsonl b/reports/eval/prompts.jsonl   # two workspaces
 """
 
 from __future__ import annotations
@@ -24,7 +25,10 @@ PROMPTS = "reports/eval/prompts.jsonl"
 
 def prompt_rows(workspace: Path, rev: str | None = None) -> list[dict]:
     """The scored prompts of the run at git revision or DVC experiment `rev` (None: the workspace
-    as it is), read through DVC's cache."""
+    as it is), read through DVC's cache; `rev` naming a prompts file (a `.jsonl` that exists) is
+    read as it is: runs in workspaces of their own, without git or DVC (bench/gpu_recipe.sh)."""
+    if rev is not None and rev.endswith(".jsonl") and Path(rev).is_file():
+        return read_rows(Path(rev))
     import dvc.api
 
     try:
@@ -32,7 +36,22 @@ def prompt_rows(workspace: Path, rev: str | None = None) -> list[dict]:
     except Exception as e:  # DVC raises its own errors for a missing revision, output or cache entry
         raise DataError(f"{workspace / PROMPTS} at {rev or 'the workspace'}: cannot read the run's scored "
                         f"prompts ({type(e).__name__}: {e}); was the eval stage run there?") from e
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
+    return rows(text, f"{workspace / PROMPTS} at {rev or 'the workspace'}")
+
+
+def read_rows(path: Path) -> list[dict]:
+    return rows(path.read_text(), str(path))
+
+
+def rows(text: str, where: str) -> list[dict]:
+    """Prompt rows, one JSON object a line, each with its checkpoint, task, length and score."""
+    try:
+        out = [json.loads(line) for line in text.splitlines() if line.strip()]
+    except json.JSONDecodeError as e:
+        raise DataError(f"{where}: not the eval's scored prompts (line {e.lineno}: {e.msg})") from e
+    if not out or not all(isinstance(r, dict) and {"checkpoint", "task", "length", "score"} <= r.keys() for r in out):
+        raise DataError(f"{where}: not the eval's scored prompts (each line needs checkpoint, task, length, score)")
+    return out
 
 
 def resolve(workspace: Path, rev: str) -> str:
@@ -73,8 +92,8 @@ def table(verdicts: dict, new: str, old: str) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Pair two runs' eval on the same prompts: better, worse or "
                                                  "no difference at 95% per checkpoint and length.")
-    parser.add_argument("new", help="git revision or DVC experiment name")
-    parser.add_argument("old", help="git revision or DVC experiment name to compare against")
+    parser.add_argument("new", help="git revision, DVC experiment name or a run's reports/eval/prompts.jsonl")
+    parser.add_argument("old", help="the same, to compare against")
     parser.add_argument("--workspace", type=Path, default=Path("."))
     args = parser.parse_args(argv)
     try:

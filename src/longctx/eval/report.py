@@ -151,7 +151,8 @@ def length_means(tasks: dict) -> tuple[list[int], dict[str, dict[int, float]]]:
 def comparison(results: dict) -> str:
     """A Markdown table: each checkpoint's mean task score per length, with its 95% interval and
     prompts, and retention (no throughput: the file is a DVC output, and a rerun must write the
-    same bytes); then every task's score, and the verdicts against the base."""
+    same bytes); then every task's score, the verdicts against the base, and the loss by
+    position."""
     lengths, means = length_means(results["tasks"])
     head = ["checkpoint", *[f"tasks@{n}" for n in lengths], "retention ppl"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -189,6 +190,14 @@ def comparison(results: dict) -> str:
             pooled = {int(n): v for n, v in by["base"]["all"].items()}
             lines.append(f"| {c} | " + " | ".join(verdict_text(pooled[n]) if n in pooled else "-" for n in lengths)
                          + " |")
+    positions = results.get("position_loss", {})
+    if bands := list(dict.fromkeys(b for by in positions.values() for b in by.get("bands", {}))):
+        lines += ["", "Loss by position on long validation documents of a long domain (mean over each band of "
+                  "positions)", "", "| checkpoint | documents | " + " | ".join(bands) + " |",
+                  "|" + "---|" * (len(bands) + 2)]
+        for c, by in positions.items():
+            lines.append(f"| {c} | {by.get('documents', '-')} | " + " | ".join(
+                f"{by['bands'][b]:.3f}" if b in by.get("bands", {}) else "-" for b in bands) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -317,9 +317,10 @@ def windows(folders: dict[str, Path], tok: TextTokenizer, tok_folder: Path,
 
 def perplexities(results: dict, name: str, model: Transformer, data: PackedDataset, tok: TextTokenizer,
                  ec: EvalParams) -> list[dict]:
-    """Per-position loss at the longest length documents reach, perplexity and needle perplexity
-    at every eval length documents reach (inside and beyond the training window), into `results`
-    under `name`; returns the smoothed per-position loss as rows (a CSV and a plot)."""
+    """Per-position loss at the longest length documents reach (its mean in each band between the
+    eval lengths, too), perplexity and needle perplexity at every eval length documents reach
+    (inside and beyond the training window), into `results` under `name`; returns the smoothed
+    per-position loss as rows (a CSV and a plot)."""
     reach = [n for n in sorted(set(ec.lengths) | {data.seq_len}) if n <= data.seq_len]
     docs_at = {n: needle.long_documents(data, n)[:ec.position_sequences] for n in reach}
     reach = [n for n in reach if docs_at[n]]
@@ -329,7 +330,10 @@ def perplexities(results: dict, name: str, model: Transformer, data: PackedDatas
     top = reach[-1]
     losses = needle.position_loss(model, [data[i].input_ids[:top] for i in docs_at[top]])
     curve = [{"checkpoint": name, "position": pos, "loss": value} for pos, value in zip(*smooth(losses), strict=True)]
-    results["position_loss"][name] = {"positions": top, "mean": float(losses.mean())}
+    edges = [0, *reach]  # the loss by position in bands between the eval lengths: what longer training changed
+    results["position_loss"][name] = {"positions": top, "mean": float(losses.mean()), "documents": len(docs_at[top]),
+                                      "bands": {f"{a}-{b}": float(losses[a:b].mean())
+                                                for a, b in zip(edges[:-1], edges[1:], strict=True)}}
     results["ppl_by_length"][name] = {
         n: needle.perplexity(mean_loss(model, [data[i].input_ids[:n] for i in docs_at[n]])) for n in reach}
     results["needle_ppl"][name] = {}

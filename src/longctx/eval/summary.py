@@ -12,7 +12,7 @@ from .report import BEYOND, beyond, length_means
 def summary(ws: Path) -> str:
     """One column per checkpoint: its score on every task at every evaluated length (a block per
     length, with the mean over tasks), each with its 95% interval, the paired verdict against
-    the base, its perplexities, and a line naming the best checkpoint at the longest length
+    the base, its perplexities and loss by position, and a line naming the best checkpoint at the longest length
     only where the paired test supports it."""
     ev = json.loads((ws / "metrics" / "eval.json").read_text())
     lengths, means = length_means(ev["tasks"])
@@ -55,6 +55,14 @@ def summary(ws: Path) -> str:
              [f"  needle at {at}", *(ppl(ev["needle_ppl"], c) for c in ckpts)],
              ["  short context", *(f"{ev['retention_ppl'][c]:.1f}" if c in ev["retention_ppl"] else "n/a"
                                    for c in ckpts)]]
+    by_position = ev.get("position_loss", {})
+    bands = dict.fromkeys(b for by in by_position.values() for b in by.get("bands", {}))
+    docs = sorted({by["documents"] for by in by_position.values() if "documents" in by})
+    if bands:  # (absent from results of older runs)
+        rows.append([f"loss by position (mean over {'/'.join(map(str, docs))} long documents)"])
+        rows += [[f"  tokens {b}", *(f"{by_position[c]['bands'][b]:.3f}"
+                                     if b in by_position.get(c, {}).get("bands", {}) else "n/a"
+                                     for c in ckpts)] for b in bands]
     width = [max(len(r[i]) for r in rows if len(r) > i) for i in range(len(ckpts) + 1)]
     table = "\n".join("  ".join([r[0].ljust(width[0]), *(c.rjust(w) for c, w in zip(r[1:], width[1:], strict=False))])
                        .rstrip() for r in rows)  # (a block's heading row has one cell)

@@ -101,15 +101,18 @@ def schedule(samples: list[int], costs: list[int], micro_batch: int, dp: int) ->
     return per_rank
 
 
-def make_batch(data: PackedDataset | Curriculum, samples: list[int], device: torch.device, multiple: int = 1) -> Batch:
+def make_batch(data: PackedDataset | Curriculum, samples: list[int], device: torch.device, multiple: int = 1,
+               documents: bool = True) -> Batch:
     """Packed sequences back to back; padded with one masked filler document to a multiple of
-    `multiple` tokens (sequence parallelism splits the tokens evenly)."""
+    `multiple` tokens (sequence parallelism splits the tokens evenly). `documents=False`: each
+    packed sequence is one document to attention, positions and labels (the documents in it see
+    each other: ProLong's unmasked baseline)."""
     ids, cus, labels = [], [], []
     offset = 0
     for i in samples:
         s = data[i]
         t = torch.from_numpy(s.input_ids.astype("int64"))
-        cu = torch.from_numpy(s.cu_seqlens.astype("int64"))
+        cu = torch.from_numpy(s.cu_seqlens.astype("int64") if documents else np.array([0, t.numel()]))
         mask = None if s.loss_mask is None else torch.from_numpy(s.loss_mask.astype("int64"))
         labels.append(shift_labels(t, cu, mask))
         ids.append(t)
@@ -132,7 +135,7 @@ def step_batches(data: PackedDataset | Curriculum, step: int, cfg: RunParams,
     samples = step_samples(data, step, cfg.micro_batch * cfg.grad_accum, cfg.seed)
     costs = [attention_cost(data[i].cu_seqlens) for i in samples]
     mine = schedule(samples, costs, cfg.micro_batch, par.dp)[par.dp_rank]
-    return samples, [make_batch(data, ids, par.device, par.sp) for ids in mine]
+    return samples, [make_batch(data, ids, par.device, par.sp, cfg.document_mask) for ids in mine]
 
 
 def packed_batch(ids: torch.Tensor, cu_seqlens: torch.Tensor, device: torch.device, samples: list[int]) -> Batch:

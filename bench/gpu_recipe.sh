@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# Recipe variants of the long stages, each paired with the first on the same prompts (issue 62). One
+# workspace of the profile runs corpora -> base; then each variant, in its own copy sharing that base (its own
+# pack where it changes pack's params), runs pretrain, sft and eval, and every variant's scored prompts are
+# paired with the first variant's (python -m longctx.eval.compare: a sign test, 95%, per checkpoint and
+# length). The stages run as `python -m stages.<name>` (no DVC, Prefect or MLflow: tracking off).
+#   OUT=... bash bench/gpu_recipe.sh name:key=value,... ...      (carry .whl)
+# key: stageN.field for the Nth pretrain stage (stage2.steps=120), or a dotted params path merged over the
+# profile (pack.splits.stage2.mix.retrieval=0.1). COMMON: overrides for every workspace, the shared one
+# included (corpora domains, the eval's tasks and lengths). JOBS: variants side by side (default 2).
+# PROFILE: another profile (tiny: a CPU check of the script). REV: the commit named (where the copy has no .git). WORK: the workspaces (default bench/work/recipe).
+# Resumes: a step whose output exists is skipped, so the same command in the next call of a warm machine goes
+# on where a call's limit stopped it (a variant whose overrides changed starts again). $OUT gets summary.md
+# (each variant's tables and its verdicts against the first), times.txt and recipe.tar.gz (every variant's
+# params, logs, metrics/eval.json, comparison.md and scored prompts).
+set -uo pipefail
+out=$(realpath -m "${OUT:-bench/results/recipe}")
+work=$(realpath -m "${WORK:-bench/work/recipe}")
+logs=$work/logs
+mkdir -p "$out" "$logs"
+[ $# -gt 0 ] || { echo "usage: gpu_recipe.sh name:key=value,... ..." >&2; exit 2; }
+source bench/gpu_env.sh || exit 1
+profile=${PROFILE:-gpu-64k}
+root=$PWD
+t0=$(date +%s)
+log() { echo "$*  (at $(( $(date +%s) - t0 )) s)" | tee -a "$out/times.txt"; }
+
+workspace() {  # folder, overrides: made (or kept, when made with the same overrides)
+  local want="$profile ${COMMON:-} $2"
+  [ -f "$1/.recipe" ] && [ "$(cat "$1/.recipe")" = "$want" ] && return 0
+  rm -rf "$1" && mkdir -p "$1"
+  (cd "$root" && tar --exclude=./.git --exclude=./.whl --exclude=./data --exclude=./models --exclude=./bench/work \
+     --exclude=./bench/results --exclude=./metrics --exclude=./reports --exclude=./plots --exclude=./runs \
+     -cf - .) | tar -xf - -C "$1"
+  (cd "$1" && PROFILE=$profile SET=${COMMON:+$COMMON,}$2 python3 -c "
+import os
+import re
+import yaml
+p = yaml.safe_load(open('params.yaml'))
+p['profile'] = os.environ['PROFILE']
+p['tracking'] = {'enabled': False}
+stages = yaml.safe_load(open(f'src/longctx/profiles/{p[\"profile\"]}.yaml'))['train']['pretrain']['stages']
+for kv in filter(None, re.split(r',(?=[\w.]+=)', os.environ['SET'])):   # (a value may hold commas: [a, b])
+    key, value = kv.split('=', 1)
+    path = key.split('.')
+    if path[0].startswith('stage') and path[0][5:].isdigit():   # the pretrain stages are a list: set it whole
+        stages[int(path[0][5:]) - 1][path[1]] = yaml.safe_load(value)
+        p['train']['pretrain'] = {'stages': stages}
+        continue
+    node = p
+    for part in path[:-1]:
+        node = node.setdefault(part, {})
+    node[path[-1]] = yaml.safe_load(value)
+yaml.safe_dump(p, open('params.yaml', 'w'), sort_keys=False)
+from longctx.config.loading import load
+load('params.yaml')   # a bad override stops here, before any GPU time
+") || return 1
+  echo "$want" > "$1/.recipe"
+}
+stage() {  # folder, stage, log name: skipped when it finished before
+  [ -f "$1/.done-$2" ] && return 0
+  local s=$(date +%s)
+  (cd "$1" && PYTHONPATH=$1/src:$PYTHONPATH python3 -m stages.$2 > "$logs/$3.log" 2>&1) \
+    || { tail -20 "$logs/$3.log"; return 1; }
+  touch "$1/.done-$2"
+  log "$3: $(( $(date +%s) - s )) s"
+}
+
+shared=$work/shared
+workspace "$shared" "" || exit 1
+for s in corpora tokenize pack base; do stage "$shared" $s $s || exit 1; done
+variant() {  # name, overrides
+  local ws=$work/$1
+  workspace "$ws" "$2" || return 1
+  if [ ! -d "$ws/data/tokens" ]; then
+    mkdir -p "$ws/data" "$ws/models" && cp -al "$shared/data/corpora" "$shared/data/tokens" "$ws/data/" \
+      && { [ ! -d "$shared/models/base" ] || cp -al "$shared/models/base" "$ws/models/"; } || return 1
+  fi
+  if [[ ",$2" == *,pack.* ]]; then stage "$ws" pack "$1-pack" || return 1
+  elif [ ! -d "$ws/data/packed" ]; then cp -al "$shared/data/packed" "$ws/data/"; fi
+  for s in pretrain sft eval; do stage "$ws" $s "$1-$s" || return 1; done
+}
+names=()
+for v in "$@"; do
+  IFS=: read -r name set <<< "$v"
+  names+=("$name")
+  variant "$name" "$set" &
+  while [ "$(jobs -rp | wc -l)" -ge "${JOBS:-2}" ]; do wait -n; done
+done
+wait
+log "all variants"
+
+first=${names[0]}
+{
+  echo "# bench/gpu_recipe.sh: $profile, $(date -u +%F), ${REV:-$(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo "?")}"
+  echo; echo "COMMON: ${COMMON:-none}"; echo
+  for v in "$@"; do echo "- ${v%%:*}: ${v#*:}"; done
+  echo; echo '```'; cat "$out/times.txt"; echo '```'
+  for name in "${names[@]}"; do
+    echo; echo "## $name"; echo
+    cat "$work/$name/reports/eval/comparison.md" 2>/dev/null || echo "(no eval: see logs/$name-*.log in recipe.tar.gz)"
+    if [ "$name" != "$first" ] && [ -f "$work/$name/reports/eval/prompts.jsonl" ]; then
+      echo; python3 -m longctx.eval.compare "$work/$name/reports/eval/prompts.jsonl" \
+        "$work/$first/reports/eval/prompts.jsonl" 2>&1 | sed "1s|^.*against.*, the same|$name against $first, the same|"
+    fi
+  done
+} > "$out/summary.md"
+(cd "$work" && tar -czf "$out/recipe.tar.gz" logs $(for n in "${names[@]}"; do
+   for f in params.yaml metrics reports/eval plots/eval; do [ -e "$n/$f" ] && echo "$n/$f"; done; done))
+cat "$out/summary.md"
