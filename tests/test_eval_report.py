@@ -98,7 +98,8 @@ def test_perplexities_at_every_length_documents_reach(small_project, tok, long_v
         nll = sum(torch.nn.functional.cross_entropy(model(d)[:-1], d[1:], reduction="sum") for d in docs) / (2 * 255)
     assert results["ppl_by_length"]["m"][256] == pytest.approx(math.exp(float(nll)), rel=1e-4)
     assert results["position_loss"]["m"]["positions"] == 2048
-    losses = needle.position_loss(model, [long_val[i].input_ids[:2048] for i in needle.long_documents(long_val, 2048)[:2]])
+    top = needle.long_documents(long_val, 2048)[:2]
+    losses = needle.position_loss(model, [long_val[i].input_ids[:2048] for i in top])
     bands = results["position_loss"]["m"]["bands"]
     assert list(bands) == ["0-32", "32-256", "256-2048"]  # between the lengths documents reach
     assert bands["32-256"] == pytest.approx(float(losses[32:256].mean()))
