@@ -23,6 +23,7 @@ source bench/gpu_env.sh || exit 1
 profile=${PROFILE:-gpu-64k}
 root=$PWD
 t0=$(date +%s)
+trap 'trap "" TERM INT; kill 0; exit 143' TERM INT   # a call's limit (timeout) stops every variant with it
 log() { echo "$*  (at $(( $(date +%s) - t0 )) s)" | tee -a "$out/times.txt"; }
 
 workspace() {  # folder, overrides: made (or kept, when made with the same overrides)
