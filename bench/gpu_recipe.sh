@@ -41,7 +41,7 @@ p = yaml.safe_load(open('params.yaml'))
 p['profile'] = os.environ['PROFILE']
 p['tracking'] = {'enabled': False}
 stages = yaml.safe_load(open(f'src/longctx/profiles/{p[\"profile\"]}.yaml'))['train']['pretrain']['stages']
-for kv in filter(None, re.split(r',(?=[\w.]+=)', os.environ['SET'])):   # (a value may hold commas: [a, b])
+for kv in filter(None, re.split(r',(?=[\w.]+=)', os.environ['SET'].strip(','))):   # (a value may hold commas: [a, b])
     key, value = kv.split('=', 1)
     path = key.split('.')
     if path[0].startswith('stage') and path[0][5:].isdigit():   # the pretrain stages are a list: set it whole
