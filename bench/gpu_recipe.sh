@@ -8,7 +8,7 @@
 # key: stageN.field for the Nth pretrain stage (stage2.steps=120), or a dotted params path merged over the
 # profile (pack.splits.stage2.mix.retrieval=0.1). COMMON: overrides for every workspace, the shared one
 # included (corpora domains, the eval's tasks and lengths). JOBS: variants side by side (default 2).
-# PROFILE: another profile (tiny: a CPU check of the script). REV: the commit named (where the copy has no .git). WORK: the workspaces (default bench/work/recipe).
+# LIMIT: seconds, then the variants stop and what finished is reported. PROFILE: another profile (tiny: a CPU check of the script). REV: the commit named (where the copy has no .git). WORK: the workspaces (default bench/work/recipe).
 # Resumes: a step whose output exists is skipped, so the same command in the next call of a warm machine goes
 # on where a call's limit stopped it (a variant whose overrides changed starts again). $OUT gets summary.md
 # (each variant's tables and its verdicts against the first), times.txt and recipe.tar.gz (every variant's
@@ -23,7 +23,10 @@ source bench/gpu_env.sh || exit 1
 profile=${PROFILE:-gpu-64k}
 root=$PWD
 t0=$(date +%s)
-trap 'trap "" TERM INT; kill 0; exit 143' TERM INT   # a call's limit (timeout) stops every variant with it
+killtree() { local c; for c in $(pgrep -P "$1"); do killtree "$c"; done; kill -TERM "$1" 2>/dev/null; }
+stop() { trap "" TERM INT; local j; for j in $(jobs -p); do killtree "$j"; done; wait; report; exit 143; }
+trap stop TERM INT   # LIMIT seconds (a call's limit), or Ctrl-C: the variants stop, what finished is reported
+[ -n "${LIMIT:-}" ] && { (sleep "$LIMIT"; kill -TERM $$) & disown; }
 log() { echo "$*  (at $(( $(date +%s) - t0 )) s)" | tee -a "$out/times.txt"; }
 
 workspace() {  # folder, overrides: made (or kept, when made with the same overrides)
@@ -81,16 +84,8 @@ variant() {  # name, overrides
   elif [ ! -d "$ws/data/packed" ]; then cp -al "$shared/data/packed" "$ws/data/"; fi
   for s in pretrain sft eval; do stage "$ws" $s "$1-$s" || return 1; done
 }
-names=()
-for v in "$@"; do
-  IFS=: read -r name set <<< "$v"
-  names+=("$name")
-  variant "$name" "$set" &
-  while [ "$(jobs -rp | wc -l)" -ge "${JOBS:-2}" ]; do wait -n; done
-done
-wait
-log "all variants"
 
+report() {  # summary.md and recipe.tar.gz from the variants that finished
 first=${names[0]}
 {
   echo "# bench/gpu_recipe.sh: $profile, $(date -u +%F), ${REV:-$(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo "?")}"
@@ -109,3 +104,13 @@ first=${names[0]}
 (cd "$work" && tar -czf "$out/recipe.tar.gz" logs $(for n in "${names[@]}"; do
    for f in params.yaml metrics reports/eval plots/eval; do [ -e "$n/$f" ] && echo "$n/$f"; done; done))
 cat "$out/summary.md"
+}
+names=(); for v in "$@"; do names+=("${v%%:*}"); done
+for v in "$@"; do
+  IFS=: read -r name set <<< "$v"
+  variant "$name" "$set" &
+  while [ "$(jobs -rp | wc -l)" -ge "${JOBS:-2}" ]; do wait -n; done
+done
+wait
+log "all variants"
+report
