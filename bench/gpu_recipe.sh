@@ -20,22 +20,20 @@ logs=$work/logs
 mkdir -p "$out" "$logs"
 [ $# -gt 0 ] || { echo "usage: gpu_recipe.sh name:key=value,... ..." >&2; exit 2; }
 source bench/gpu_env.sh || exit 1
+source bench/gpu_diag_lib.sh   # copy_project
 profile=${PROFILE:-gpu-64k}
-root=$PWD
 t0=$(date +%s)
 killtree() { local c; for c in $(pgrep -P "$1"); do killtree "$c"; done; kill -TERM "$1" 2>/dev/null; }
 stop() { trap "" TERM INT; local j; for j in $(jobs -p); do killtree "$j"; done; wait; report; exit 143; }
 trap stop TERM INT   # LIMIT seconds (a call's limit), or Ctrl-C: the variants stop, what finished is reported
-[ -n "${LIMIT:-}" ] && { (sleep "$LIMIT"; kill -TERM $$) & disown; }
+watchdog=
+[ -n "${LIMIT:-}" ] && { (sleep "$LIMIT"; kill -TERM $$) & watchdog=$!; disown; }
 log() { echo "$*  (at $(( $(date +%s) - t0 )) s)" | tee -a "$out/times.txt"; }
 
 workspace() {  # folder, overrides: made (or kept, when made with the same overrides)
   local want="$profile ${COMMON:-} $2"
   [ -f "$1/.recipe" ] && [ "$(cat "$1/.recipe")" = "$want" ] && return 0
-  rm -rf "$1" && mkdir -p "$1"
-  (cd "$root" && tar --exclude=./.git --exclude=./.whl --exclude=./data --exclude=./models --exclude=./bench/work \
-     --exclude=./bench/results --exclude=./metrics --exclude=./reports --exclude=./plots --exclude=./runs \
-     -cf - .) | tar -xf - -C "$1"
+  copy_project "$1"
   (cd "$1" && PROFILE=$profile SET=${COMMON:+$COMMON,}$2 python3 -c "
 import os
 import re
@@ -61,7 +59,7 @@ load('params.yaml')   # a bad override stops here, before any GPU time
 ") || return 1
   echo "$want" > "$1/.recipe"
 }
-stage() {  # folder, stage, log name: skipped when it finished before
+run_stage() {  # folder, stage, log name: skipped when it finished before
   [ -f "$1/.done-$2" ] && return 0
   local s=$(date +%s)
   (cd "$1" && PYTHONPATH=$1/src:$PYTHONPATH python3 -m stages.$2 > "$logs/$3.log" 2>&1) \
@@ -72,7 +70,7 @@ stage() {  # folder, stage, log name: skipped when it finished before
 
 shared=$work/shared
 workspace "$shared" "" || exit 1
-for s in corpora tokenize pack base; do stage "$shared" $s $s || exit 1; done
+for s in corpora tokenize pack base; do run_stage "$shared" $s $s || exit 1; done
 variant() {  # name, overrides
   local ws=$work/$1
   workspace "$ws" "$2" || return 1
@@ -80,9 +78,9 @@ variant() {  # name, overrides
     mkdir -p "$ws/data" "$ws/models" && cp -al "$shared/data/corpora" "$shared/data/tokens" "$ws/data/" \
       && { [ ! -d "$shared/models/base" ] || cp -al "$shared/models/base" "$ws/models/"; } || return 1
   fi
-  if [[ ",$2" == *,pack.* ]]; then stage "$ws" pack "$1-pack" || return 1
+  if [[ ",$2" == *,pack.* ]]; then run_stage "$ws" pack "$1-pack" || return 1
   elif [ ! -d "$ws/data/packed" ]; then cp -al "$shared/data/packed" "$ws/data/"; fi
-  for s in pretrain sft eval; do stage "$ws" $s "$1-$s" || return 1; done
+  for s in pretrain sft eval; do run_stage "$ws" $s "$1-$s" || return 1; done
 }
 
 report() {  # summary.md and recipe.tar.gz from the variants that finished
@@ -113,4 +111,5 @@ for v in "$@"; do
 done
 wait
 log "all variants"
+[ -z "$watchdog" ] || kill "$watchdog" 2>/dev/null
 report

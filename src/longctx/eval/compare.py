@@ -28,7 +28,7 @@ def prompt_rows(workspace: Path, rev: str | None = None) -> list[dict]:
     as it is), read through DVC's cache; `rev` naming a prompts file (a `.jsonl` that exists) is
     read as it is: runs in workspaces of their own, without git or DVC (bench/gpu_recipe.sh)."""
     if rev is not None and rev.endswith(".jsonl") and Path(rev).is_file():
-        return read_rows(Path(rev))
+        return rows(Path(rev).read_text(), rev)
     import dvc.api
 
     try:
@@ -37,10 +37,6 @@ def prompt_rows(workspace: Path, rev: str | None = None) -> list[dict]:
         raise DataError(f"{workspace / PROMPTS} at {rev or 'the workspace'}: cannot read the run's scored "
                         f"prompts ({type(e).__name__}: {e}); was the eval stage run there?") from e
     return rows(text, f"{workspace / PROMPTS} at {rev or 'the workspace'}")
-
-
-def read_rows(path: Path) -> list[dict]:
-    return rows(path.read_text(), str(path))
 
 
 def rows(text: str, where: str) -> list[dict]:

@@ -191,7 +191,7 @@ def comparison(results: dict) -> str:
             lines.append(f"| {c} | " + " | ".join(verdict_text(pooled[n]) if n in pooled else "-" for n in lengths)
                          + " |")
     positions = results.get("position_loss", {})
-    if bands := list(dict.fromkeys(b for by in positions.values() for b in by.get("bands", {}))):
+    if bands := position_bands(positions):
         lines += ["", "Loss by position on long validation documents of a long domain (mean over each band of "
                   "positions)", "", "| checkpoint | documents | " + " | ".join(bands) + " |",
                   "|" + "---|" * (len(bands) + 2)]
@@ -199,6 +199,12 @@ def comparison(results: dict) -> str:
             lines.append(f"| {c} | {by.get('documents', '-')} | " + " | ".join(
                 f"{by['bands'][b]:.3f}" if b in by.get("bands", {}) else "-" for b in bands) + " |")
     return "\n".join(lines) + "\n"
+
+
+def position_bands(position_loss: dict) -> list[str]:
+    """The bands of positions the `position_loss` section averages over, in order (none in the
+    results of older runs)."""
+    return list(dict.fromkeys(b for by in position_loss.values() for b in by.get("bands", {})))
 
 
 def interval_text(score: float, cell: dict) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .report import BEYOND, beyond, length_means
+from .report import BEYOND, beyond, length_means, position_bands
 
 
 def summary(ws: Path) -> str:
@@ -56,9 +56,9 @@ def summary(ws: Path) -> str:
              ["  short context", *(f"{ev['retention_ppl'][c]:.1f}" if c in ev["retention_ppl"] else "n/a"
                                    for c in ckpts)]]
     by_position = ev.get("position_loss", {})
-    bands = dict.fromkeys(b for by in by_position.values() for b in by.get("bands", {}))
+    bands = position_bands(by_position)
     docs = sorted({by["documents"] for by in by_position.values() if "documents" in by})
-    if bands:  # (absent from results of older runs)
+    if bands:
         rows.append([f"loss by position (mean over {'/'.join(map(str, docs))} long documents)"])
         rows += [[f"  tokens {b}", *(f"{by_position[c]['bands'][b]:.3f}"
                                      if b in by_position.get(c, {}).get("bands", {}) else "n/a"
