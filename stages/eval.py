@@ -14,7 +14,7 @@ from pathlib import Path
 from longctx.config import Params, flat
 from longctx.data.loader import PackedDataset
 from longctx.errors import ConfigError, DataError
-from longctx.eval import needle, report, suite
+from longctx.eval import needle, report, suite, tasks
 from longctx.eval.plots import family_figure
 from longctx.io import atomic_dir, write_json
 from longctx.tracking import stage_run
@@ -128,10 +128,15 @@ def run(cfg: Params, root: Path) -> None:
                 tracker.metrics({f"{name}.window": windows[name].length})
         results["verdicts"] = report.verdicts(rows_all, list(ckpts))
         results["best"] = report.best(rows_all, list(ckpts))
+        results["formats"] = report.format_groups(rows_all, list(ckpts), tasks.trained_formats(cfg))
         sign = {"better": 1, "worse": -1, "no difference": 0}
         tracker.metrics({f"{c}.vs_{against}.{t}.{n}": sign[v["verdict"]] for c, by in results["verdicts"].items()
                          for against, cmp in by.items() for t, at in cmp.items() if t != "vs" for n, v in at.items()})
         write_outputs(results, rows_all, position_rows)
+        groups = results["formats"]
+        tracker.metrics({f"{c}.{g}.{n}.{k}": cell[k] for g in groups["tasks"] if groups["tasks"][g]
+                         for c, by in groups["means"][g].items() for n, cell in by.items()
+                         for k in ("mean", "n", "lo", "hi")})
         tracker.metrics({f"{c}.loss_at_{band}": v for c, by in results["position_loss"].items()
                          for band, v in by.get("bands", {}).items()})
         for f in ("position_loss.png", "position_loss.csv", "score_vs_length.png", "scores.csv", "niah_heatmap.png"):

@@ -123,6 +123,12 @@ def test_every_stage_runs_through_dvc_and_is_tracked(finished):
     assert runs["eval"].data.metrics["eval/sft.loss_at_512-2048"] == pytest.approx(
         ev["position_loss"]["sft"]["bands"]["512-2048"])
     assert {"comparison.md", "score_by_family.png"} <= {a.path for a in client.list_artifacts(runs["eval"].info.run_id)}
+    # the tasks in no training document's format, reported apart
+    held = ev["formats"]["tasks"]["held_out"]
+    assert set(held) == {"json_kv", "variable_tracking", "common_words", "frequent_words", "icl"}
+    held_mean = ev["formats"]["means"]["held_out"]["sft"]["512"]["mean"]
+    assert runs["eval"].data.metrics["eval/sft.held_out.512.mean"] == held_mean
+    assert "| sft | held-out formats |" in (ws / "reports/eval/comparison.md").read_text()
     # each training stage's loss curve as a figure beside its CSV
     assert {"train_base.csv", "train_base.png"} <= {a.path for a in client.list_artifacts(runs["base"].info.run_id)}
     assert "train_sft.png" in {a.path for a in client.list_artifacts(runs["sft"].info.run_id)}

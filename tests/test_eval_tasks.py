@@ -162,3 +162,31 @@ def test_the_prompt_bank_makes_each_length_as_built_alone_and_stops_when_closed(
     with pytest.raises((Stopped, CancelledError)):
         early.prompts(4096)
 
+
+
+def test_held_out_tasks_are_those_no_synthetic_document_asks_like(enc, haystack):
+    """tasks.TAUGHT_BY read against the documents themselves: a task taught by a format opens its
+    question as that format's documents do; a held-out task's question opens as no document's."""
+    from longctx.config import resolve
+    from longctx.data import synthetic
+
+    docs = {f: next(synthetic.documents(0, [f], 800, 1600))[1] for f in synthetic.FORMATS}
+    for task in tasks.TASKS:
+        p = tasks.build(task, tasks.Budget(enc.count, 2048), np.random.default_rng(0), 0.5, haystack)
+        asked = " ".join(p.question.split()[:5])  # (before the keys asked for)
+        in_docs = {f for f, text in docs.items() if asked in text}
+        assert in_docs == set(tasks.TAUGHT_BY.get(task, ())), task
+        assert tasks.held_out(task, list(synthetic.FORMATS)) == (not in_docs), task
+    assert {t for t in tasks.TASKS if tasks.held_out(t, list(synthetic.FORMATS))} == {
+        "json_kv", "variable_tracking", "common_words", "frequent_words", "icl"}
+    gpu = resolve({"profile": "gpu-64k"})
+    assert tasks.trained_formats(gpu) == ["kv", "multikey", "multiquery", "passkey"]
+    tiny = resolve({"profile": "tiny"})  # (its splits mix groups of domains)
+    synthetic_domains = [tiny.corpora.domains[d] for d in ("retrieval", "retrieval_long")]
+    assert tasks.trained_formats(tiny) == sorted({f for d in synthetic_domains for s in d.sources
+                                                  for f in s.synthetic.formats})
+    # a synthetic domain no split mixes in trains nothing
+    split = gpu.pack.splits["base_short"].model_copy(update={"mix": {"modules": 1.0, "retrieval_short": 0.0}})
+    cut = gpu.model_copy(update={"pack": gpu.pack.model_copy(update={"splits": {"base_short": split}})})
+    assert tasks.trained_formats(cut) == [] and tasks.held_out("passkey", [])
+    assert not tasks.held_out("niah_multikey", ["multiquery"])

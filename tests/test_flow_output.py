@@ -6,6 +6,7 @@ slot."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shlex
 import subprocess
@@ -14,6 +15,7 @@ import pytest
 
 from conftest import GIT_ENV
 from longctx.errors import LongctxError
+from longctx.eval import report
 from pipelines import flows
 
 # what `dvc repro pack` and a training stage print (DVC 3.67's hint; tqdm's bars through a pipe)
@@ -107,13 +109,9 @@ def test_a_gpu_slot_counts_among_the_visible_gpus(monkeypatch, tmp_path):
         assert extra == {}
 
 
-def _eval_json(folder, prompts: dict) -> None:
+def _eval_json(folder, prompts: dict, formats: list[str] | None = None) -> None:
     """metrics/eval.json as the eval stage writes it from prompt rows: checkpoint -> (task,
-    length) -> each prompt's score."""
-    import json
-
-    from longctx.eval import report
-
+    length) -> each prompt's score; with the synthetic formats trained on, its `formats` section."""
     rows = [{"checkpoint": c, "task": t, "length": n, "score": s} for c, cells in prompts.items()
             for (t, n), scores in cells.items() for s in scores]
     ev = {"tasks": {c: report.mean_scores([r for r in rows if r["checkpoint"] == c]) for c in prompts},
@@ -125,6 +123,8 @@ def _eval_json(folder, prompts: dict) -> None:
           "position_loss": {c: {"documents": 3, "bands": {"0-512": 3.1, "512-2048": 2.5 + 0.5 * (c == "base")}}
                             for c in prompts},
           "windows": {"base": 512, "pretrain_stage2": 8192}}
+    if formats is not None:
+        ev["formats"] = report.format_groups(rows, list(prompts), formats)
     (folder / "metrics").mkdir(exist_ok=True)
     (folder / "metrics/eval.json").write_text(json.dumps(ev))
 
@@ -162,6 +162,32 @@ def test_the_final_table_shows_every_task_at_every_length_and_names_the_best(tmp
     last = summary(tmp_path).splitlines()[-1]
     assert last == ("at 2048 tokens every checkpoint scores 0.00, alike on every prompt: the tasks do not tell "
                     "them apart")
+
+
+def test_the_final_table_reports_held_out_formats_apart(tmp_path):
+    from longctx.eval.summary import summary
+
+    base = {("passkey", 512): [0.0] * 10, ("common_words", 512): [0.5] * 10}
+    longer = {("passkey", 512): [1.0] * 10, ("common_words", 512): [0.5] * 8 + [0.0] * 2}
+    _eval_json(tmp_path, {"base": base, "pretrain_stage2": longer}, formats=["passkey"])
+    rows = [line.split() for line in summary(tmp_path).splitlines()[2:8]]
+    assert rows == [["passkey", "0.00", "[0.00-0.28]", "1.00", "[0.72-1.00]"],
+                    ["common_words", "(held-out)", "0.50", "[0.50-0.50]", "0.40", "[0.25-0.50]"],
+                    ["mean,", "trained", "formats", "0.00", "[0.00-0.28]", "1.00", "[0.72-1.00]"],
+                    ["mean,", "held-out", "formats", "0.50", "[0.50-0.50]", "0.40", "[0.25-0.50]"],
+                    ["mean,", "all", "tasks", "0.25", "[0.18-0.32]", "0.70", "[0.61-0.79]"],
+                    ["vs", "base", "better", "10-2"]]
+    ev = json.loads((tmp_path / "metrics/eval.json").read_text())
+    table = report.comparison({**report.empty_results(), **ev}).splitlines()
+    at = table.index("| checkpoint | formats | @512 |")
+    assert table[at + 2:at + 6] == [
+        "| base | trained formats | 0.00 [0.00-0.28] (10) |",
+        "| pretrain_stage2 | trained formats | 1.00 [0.72-1.00] (10), better (10-0) |",
+        "| base | held-out formats | 0.50 [0.50-0.50] (10) |",
+        "| pretrain_stage2 | held-out formats | 0.40 [0.25-0.50] (10), no difference (0-2) |"]
+    # with kv's documents trained instead, every task is held out of passkey's format too
+    _eval_json(tmp_path, {"base": base, "pretrain_stage2": longer}, formats=[])
+    assert "passkey (held-out)" in summary(tmp_path)
 
 
 def test_the_parent_run_gets_the_headline_results():

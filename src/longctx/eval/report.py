@@ -7,12 +7,14 @@ from __future__ import annotations
 import numpy as np
 
 from . import stats
+from .tasks import held_out
 
 
 def empty_results() -> dict:
     """The sections every checkpoint's measurements go into; what cannot be computed says why."""
     return {"tasks": {}, "throughput": {}, "position_loss": {}, "ppl_by_length": {}, "needle_ppl": {},
             "retention_ppl": {}, "skipped": [], "windows": {}, "cells": {}, "means": {}, "verdicts": {}, "best": {},
+            "formats": {},
             "not_computed": {"helmet_gpt4o_judged": "GPT-4o-judged metrics (HELMET summarization, QA "
                                                     "judge) need an external API; not computed"}}
 
@@ -94,6 +96,26 @@ def verdicts(rows: list[dict], order: list[str]) -> dict:
         out[c] = {"base": {"vs": order[0], **paired_rows(by[c], by[order[0]])}}
         if i > 1:
             out[c]["previous"] = {"vs": order[i - 1], **paired_rows(by[c], by[order[i - 1]])}
+    return out
+
+
+GROUPS = {"trained": "trained formats", "held_out": "held-out formats"}
+"""The two blocks the tasks are reported in: those whose prompt format some training split's
+synthetic documents write, and the rest (tasks.TAUGHT_BY)."""
+
+
+def format_groups(rows: list[dict], order: list[str], formats: list[str]) -> dict:
+    """The `formats` section: the run's synthetic training formats, its tasks in the two GROUPS,
+    and per group each checkpoint's mean score per length with its 95% interval and, after the
+    first (the base), its verdict against the base over every prompt of the group and length."""
+    names = list(dict.fromkeys(r["task"] for r in rows))
+    tasks = {g: [t for t in names if held_out(t, formats) == (g == "held_out")] for g in GROUPS}
+    out: dict = {"trained_formats": formats, "tasks": tasks, "means": {}, "vs_base": {}}
+    for g, members in tasks.items():
+        by = {c: [r for r in rows if r["checkpoint"] == c and r["task"] in members] for c in order}
+        out["means"][g] = {c: length_cells(v) for c, v in by.items() if v}
+        shared = {c: _shared(by[c], by[order[0]]) for c in order[1:] if by[c]}
+        out["vs_base"][g] = {c: {n: _pooled(s, n) for n in sorted({n for _, n in s})} for c, s in shared.items()}
     return out
 
 
@@ -190,6 +212,7 @@ def comparison(results: dict) -> str:
             pooled = {int(n): v for n, v in by["base"]["all"].items()}
             lines.append(f"| {c} | " + " | ".join(verdict_text(pooled[n]) if n in pooled else "-" for n in lengths)
                          + " |")
+    lines += format_lines(results.get("formats", {}), lengths)
     positions = results.get("position_loss", {})
     if bands := position_bands(positions):
         lines += ["", "Loss by position on long validation documents of a long domain (mean over each band of "
@@ -199,6 +222,26 @@ def comparison(results: dict) -> str:
             lines.append(f"| {c} | {by.get('documents', '-')} | " + " | ".join(
                 f"{by['bands'][b]:.3f}" if b in by.get("bands", {}) else "-" for b in bands) + " |")
     return "\n".join(lines) + "\n"
+
+
+def format_lines(groups: dict, lengths: list[int]) -> list[str]:
+    """comparison.md's block of the `formats` section: each group's mean per checkpoint and length
+    and its verdict against the base (nothing when no task is held out)."""
+    if not groups.get("tasks", {}).get("held_out"):
+        return []
+    lines = ["", f"Trained and held-out formats: mean task score [95% interval] (prompts), vs base. The training "
+             f"splits' synthetic formats: {', '.join(groups['trained_formats']) or 'none'}; held out (no training "
+             f"document in their format): {', '.join(groups['tasks']['held_out'])}", "",
+             "| checkpoint | formats | " + " | ".join(f"@{n}" for n in lengths) + " |",
+             "|" + "---|" * (len(lengths) + 2)]
+    for g, label in GROUPS.items():
+        for c, by in groups["means"][g].items():
+            by = {int(n): v for n, v in by.items()}
+            vs = {int(n): v for n, v in groups["vs_base"][g].get(c, {}).items()}
+            lines.append(f"| {c} | {label} | " + " | ".join(
+                (interval_text(by[n]["mean"], by[n]) + (f", {verdict_text(vs[n])}" if n in vs else "")) if n in by
+                else "skipped" for n in lengths) + " |")
+    return lines
 
 
 def position_bands(position_loss: dict) -> list[str]:

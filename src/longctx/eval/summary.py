@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .report import BEYOND, beyond, length_means, position_bands
+from .report import BEYOND, GROUPS, beyond, length_means, position_bands
 
 
 def summary(ws: Path) -> str:
@@ -18,17 +18,23 @@ def summary(ws: Path) -> str:
     lengths, means = length_means(ev["tasks"])
     windows = ev.get("windows", {})  # (absent from results of older runs)
     ckpts = list(ev["tasks"])
-    tasks = sorted({t for by_task in ev["tasks"].values() for t in by_task})
+    groups = ev.get("formats", {})  # (absent from results of older runs)
+    held = set(groups.get("tasks", {}).get("held_out", []))
+    tasks = sorted({t for by_task in ev["tasks"].values() for t in by_task}, key=lambda t: (t in held, t))
 
     cells = ev.get("cells", {})  # (absent from results of older runs)
     spread = ev.get("means", {})
 
-    def score(ckpt: str, value: float | None, n: int, task: str | None = None) -> str:
+    def score(ckpt: str, value: float | None, n: int, task: str | None = None, cell: dict | None = None) -> str:
         if value is None:
             return "-"
-        cell = (cells.get(ckpt, {}).get(task, {}) if task else spread.get(ckpt, {})).get(str(n))
+        cell = cell or (cells.get(ckpt, {}).get(task, {}) if task else spread.get(ckpt, {})).get(str(n))
         text = f"{value:.2f} [{cell['lo']:.2f}-{cell['hi']:.2f}]" if cell else f"{value:.2f}"
         return text + (BEYOND if beyond(windows, ckpt, n) else "")
+
+    def group_score(g: str, ckpt: str, n: int) -> str:
+        cell = groups["means"][g].get(ckpt, {}).get(str(n))
+        return score(ckpt, cell and cell["mean"], n, cell=cell)
 
     def counts(n: int) -> str:
         seen = sorted({cell[str(n)]["n"] for by in cells.values() for cell in by.values() if str(n) in cell})
@@ -37,8 +43,11 @@ def summary(ws: Path) -> str:
     rows = [["", *ckpts]]
     for n in lengths:
         rows.append([f"at {n} tokens{counts(n)}"])
-        rows += [[f"  {t}", *(score(c, ev["tasks"][c].get(t, {}).get(str(n)), n, t) for c in ckpts)] for t in tasks]
-        rows.append(["  mean", *(score(c, means[c].get(n), n) for c in ckpts)])
+        rows += [[f"  {t}{' (held-out)' if t in held else ''}", *(score(c, ev["tasks"][c].get(t, {}).get(str(n)), n, t)
+                                                                for c in ckpts)] for t in tasks]
+        if held:
+            rows += [[f"  mean, {label}", *(group_score(g, c, n) for c in ckpts)] for g, label in GROUPS.items()]
+        rows.append(["  mean" + (", all tasks" if held else ""), *(score(c, means[c].get(n), n) for c in ckpts)])
         verdicts = ev.get("verdicts", {})
         if verdicts:
             rows.append(["  vs base", *(verdict(verdicts[c]["base"]["all"].get(str(n))) if c in verdicts else ""

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..config import EvalParams
+from ..config import EvalParams, Params
 from ..errors import ConfigError
 from .metrics import METRICS
 
@@ -326,6 +326,25 @@ FAMILIES = {"retrieval (passkey, NIAH)": ("passkey", "niah_single_noise", "niah_
             "tracing and aggregation (RULER)": ("variable_tracking", "common_words", "frequent_words"),
             "JSON KV (HELMET)": ("json_kv",), "in-context learning (HELMET)": ("icl",)}
 """The task families the comparison figure has one panel each for (RULER's and HELMET's groups)."""
+
+
+TAUGHT_BY = {"passkey": ("passkey",),
+             **{t: ("kv", "multikey", "multiquery") for t in FAMILIES["retrieval (passkey, NIAH)"][1:]}}
+"""The synthetic training formats (data/synthetic.py) that write each task's prompt format: the
+same needle, question and answer sentences. No synthetic document is in the format of the other
+tasks (RULER's tracing and aggregation, JSON KV, ICL, HELMET's data)."""
+
+
+def trained_formats(cfg: Params) -> list[str]:
+    """The synthetic formats of the domains some packed split mixes in: what this run trains on."""
+    mixed = {d for split in cfg.pack.splits for d, share in cfg.flat_mix(split).items() if share > 0}
+    return sorted({f for d in mixed for s in cfg.corpora.domains[d].sources if s.synthetic
+                   for f in s.synthetic.formats})
+
+
+def held_out(task: str, formats: list[str]) -> bool:
+    """Whether no training document of `formats` is in the task's prompt format."""
+    return not set(TAUGHT_BY.get(task, ())) & set(formats)
 
 
 def family(task: str) -> str:
