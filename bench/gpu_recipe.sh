@@ -88,7 +88,7 @@ first=${names[0]}
 {
   echo "# bench/gpu_recipe.sh: $profile, $(date -u +%F), ${REV:-$(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo "?")}"
   echo; echo "COMMON: ${COMMON:-none}"; echo
-  for v in "$@"; do echo "- ${v%%:*}: ${v#*:}"; done
+  for v in "${variants[@]}"; do echo "- ${v%%:*}: ${v#*:}"; done
   echo; echo '```'; cat "$out/times.txt"; echo '```'
   for name in "${names[@]}"; do
     echo; echo "## $name"; echo
@@ -103,7 +103,7 @@ first=${names[0]}
    for f in params.yaml metrics reports/eval plots/eval; do [ -e "$n/$f" ] && echo "$n/$f"; done; done))
 cat "$out/summary.md"
 }
-names=(); for v in "$@"; do names+=("${v%%:*}"); done
+variants=("$@") names=(); for v in "$@"; do names+=("${v%%:*}"); done
 for v in "$@"; do
   IFS=: read -r name set <<< "$v"
   variant "$name" "$set" &

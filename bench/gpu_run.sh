@@ -30,10 +30,13 @@ parts=${*:-tests fox_training fox_kernel train_throughput model_step attention g
 status=0
 for part in $parts; do
   case $part in
-    tests) timeout "${TESTS_LIMIT:-540}" python3 -m pytest -q -p no:cacheprovider -n "${TESTS_WORKERS:-8}" tests/test_gpu_attention.py tests/test_gpu_train.py \
-             tests/test_fox_kernel.py tests/test_model.py tests/test_decode.py \
-             --deselect tests/test_fox_kernel.py::test_training_with_acp_logs_the_pruned_fraction \
-             2>&1 | tee "$out/gpu_tests.log" ;;  # (that one runs the data stages: mlflow, not on the image)
+    tests) cuda_tests=(tests/test_gpu_attention.py tests/test_gpu_train.py tests/test_fox_kernel.py tests/test_model.py
+                  tests/test_decode.py  # (the ACP training test runs the data stages: mlflow, not on the image)
+                  --deselect tests/test_fox_kernel.py::test_training_with_acp_logs_the_pruned_fraction)
+           # the workers, then the tests that need most of the GPU's memory (gpu_alone) one at a time
+           timeout "${TESTS_LIMIT:-540}" bash -c 'python3 -m pytest -q -p no:cacheprovider -n "$1" -m "not gpu_alone" \
+             "${@:2}"; r=$?; python3 -m pytest -q -p no:cacheprovider -m gpu_alone "${@:2}" && exit $r' _ "${TESTS_WORKERS:-8}" \
+             "${cuda_tests[@]}" 2>&1 | tee "$out/gpu_tests.log" ;;
     train_throughput) python3 bench/train_throughput.py --profile --out "$out" 2>&1 | tee "$out/train_throughput.log" ;;
     fox_training) python3 bench/fox_check.py --parts training --data data/packed/stage2 --out "$out" 2>&1 \
              | tee "$out/fox_training.log" ;;

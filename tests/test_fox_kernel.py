@@ -267,6 +267,7 @@ def test_64_bit_offsets_compute_what_32_bit_ones_do(monkeypatch):
         assert torch.equal(a, b), name
 
 
+@pytest.mark.gpu_alone  # (~40 GiB: beside seven other workers' tests, out of memory)
 @pytest.mark.skipif(not CUDA, reason="2M tokens: the interpreter would take hours")
 @pytest.mark.parametrize("n", [2**21, 2**21 + 2**18])
 def test_the_last_document_of_millions_of_tokens(n):
