@@ -38,6 +38,7 @@ from longctx.eval.plots import family_figure
 from longctx.eval.report import interval_text, length_means, score_rows, verdict_text
 from longctx.eval.summary import summary
 from longctx.eval.tasks import family
+from longctx.io import PIPELINE_ENV, pipeline_lock
 from longctx.tracking import PARENT_ENV, end_run, open_run, tag_children, tracking_uri
 
 
@@ -72,30 +73,12 @@ RERUN = ("fix that, then rerun the pipeline (the stages that finished are kept a
          "alone: dvc repro {}")
 
 
-class WorkspaceBusy(LongctxError):
-    """Another pipeline run holds the workspace."""
-
-
 @contextmanager
 def workspace_lock(workspace: Path):
-    """One pipeline run per workspace at a time: a second one is refused, not queued."""
-    path = workspace / ".dvc" / "tmp" / "longctx-pipeline.lock"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a+") as fh:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            fh.seek(0)
-            raise WorkspaceBusy(f"{workspace}: another longctx pipeline run holds this workspace "
-                               f"({fh.read().strip() or 'unknown run'}); wait for it or use another clone") from None
-        fh.seek(0)
-        fh.truncate()
-        fh.write(f"flow run {flow_run.get_name() or '?'} (pid {os.getpid()})\n")
-        fh.flush()
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+    """One pipeline run per workspace at a time: a second one is refused, not queued; a stage run
+    by hand meanwhile (`dvc repro eval`) is refused by the stage (io.pipeline_holder)."""
+    with pipeline_lock(workspace, f"flow run {flow_run.get_name() or '?'} (pid {os.getpid()})"):
+        yield
 
 
 def gpu_ids() -> list[str]:
@@ -180,10 +163,12 @@ def run_stage(workspace: str, stage: str, parent_run: str | None, tracking_uri: 
     log = get_run_logger()
     ws = Path(workspace)
     with gpu_slot(stage) as extra:
-        env = {**os.environ, **extra, "MLFLOW_TRACKING_URI": tracking_uri, "DVC_NO_ANALYTICS": "1"}
+        env = {**os.environ, **extra, "MLFLOW_TRACKING_URI": tracking_uri, "DVC_NO_ANALYTICS": "1", PIPELINE_ENV: "1"}
         if parent_run:
             env[PARENT_ENV] = parent_run
-        proc = subprocess.Popen(["dvc", "repro", stage], cwd=ws, env=env, stdout=subprocess.PIPE,
+        # (DVC's lock is free between the flow's stages: a `dvc repro` by hand may hold it while its stage
+        # refuses to run beside this one; the flow's next stage waits for it, not fails)
+        proc = subprocess.Popen(["dvc", "--wait-for-lock", "repro", stage], cwd=ws, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, bufsize=1)
         tail: list[str] = []
         console = Console(stage)

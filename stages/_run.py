@@ -10,10 +10,10 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from longctx import config
+from longctx import config, tracking
 from longctx.data.tokenizer import TextTokenizer
-from longctx.errors import ConfigError, DataError, LongctxError, Terminated
-from longctx.io import DISK_ERRNOS, check_room, read_json
+from longctx.errors import ConfigError, DataError, LongctxError, Terminated, WorkspaceBusy
+from longctx.io import DISK_ERRNOS, REPLACED, check_room, pipeline_holder, read_json
 
 DATA = Path("data")
 CORPORA = DATA / "corpora"
@@ -41,16 +41,29 @@ def main(name: str, run: Callable[[config.Params, Path], None],
     try:
         cfg = config.load(args.params)
         launcher = "RANK" not in os.environ  # (torchrun's ranks were checked by it)
+        if launcher and (holder := pipeline_holder(Path.cwd())):
+            raise WorkspaceBusy(f"the main command runs in this workspace ({holder}); a stage run beside it would "
+                                "race it for the same outputs: wait for it to finish, or stop it, then rerun this")
         if launcher:
             for folder in (*writes, METRICS, PLOTS):
                 check_room(folder, 0, f"the {name} stage's outputs")
+            for folder in tracking.local_folders(cfg.tracking, Path.cwd()):
+                try:
+                    check_room(folder, 0, "the MLflow store's files")
+                except DataError as e:
+                    raise DataError(f"{e}; or set tracking.enabled: false") from None
         if launcher and (models or trains):
             _check_backend(cfg, args.params)
-        if launcher and trains and (n := _check_layouts(name, cfg, trains(cfg))) > 1:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
-                   "-m", f"stages.{name}", "--params", args.params]
-            print(f"{name}: {n} processes: {' '.join(cmd[1:])}", file=sys.stderr)
-            sys.exit(subprocess.run(cmd).returncode)
+        if launcher and trains:
+            from longctx.train import launch
+
+            on, n = launch.nodes(cfg.train), _nproc(cfg.train.nproc)
+            _check_layouts(name, cfg, trains(cfg), n * on.count)
+            if n * on.count > 1:
+                cmd = launch.torchrun(name, args.params, n, on)
+                across = f" on each of {on.count} nodes ({on.source}, rendezvous {on.endpoint})" if on.count > 1 else ""
+                print(f"{name}: {n} processes{across}: {' '.join(cmd[1:])}", file=sys.stderr)
+                sys.exit(subprocess.run(cmd).returncode)
         run(cfg, Path.cwd())
     except LongctxError as e:  # every rank says it: the launcher may stop the others first
         print(f"{name}: error{'' if rank0 else ' (rank ' + os.environ['RANK'] + ')'}: {e}{_under_dvc()}",
@@ -60,8 +73,7 @@ def main(name: str, run: Callable[[config.Params, Path], None],
         if e.errno not in DISK_ERRNOS:
             raise
         where = e.filename or ", ".join(map(str, writes)) or "an output"
-        print(f"{name}: error: {where}: {e.strerror}{_under_dvc() or '; outputs from before this run are intact'}",
-              file=sys.stderr)
+        print(f"{name}: error: {where}: {e.strerror}{_under_dvc() or _what_changed()}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (Terminated): a training stage resumes where it stopped
         if rank0:
@@ -84,6 +96,15 @@ def _under_dvc() -> str:
     if not stage:
         return ""
     return f" (DVC removed this stage's earlier outputs before it ran: `dvc checkout {stage}` restores them)"
+
+
+def _what_changed() -> str:
+    """What a stage that failed mid-way had already replaced (io.REPLACED), or that it replaced
+    nothing; its scratch under runs/ is not an output."""
+    done = list(dict.fromkeys(str(p) for p in REPLACED if Path(p).parts[:1] != ("runs",)))
+    if not done:
+        return "; outputs from before this run are intact"
+    return f"; this run had already replaced {', '.join(done)} (its other outputs are from before it): rerun the stage"
 
 
 def tokenizer() -> tuple[TextTokenizer, dict]:
@@ -127,16 +148,14 @@ def _check_backend(cfg: config.Params, source: str) -> None:
         raise ConfigError(f"{source}: model.attention_backend: {e}") from None
 
 
-def _check_layouts(name: str, cfg: config.Params, stages: list) -> int:
-    """The training configs fit train.nproc ranks (and the base model's heads, when training
-    starts from it); returns that count."""
+def _check_layouts(name: str, cfg: config.Params, stages: list, n: int) -> None:
+    """The training configs fit `n` ranks (and the base model's heads, when training starts
+    from it)."""
     from longctx.train.parallel import check_layout
 
-    n = _nproc(cfg.train.nproc)
     heads = cfg.model.n_heads if cfg.train.pretrain.init == "base" else None
     for i, stage in enumerate(stages):
         check_layout(stage, n, f"train.{name}.{'stages.' + str(i) + '.' if name == 'pretrain' else ''}", heads)
-    return n
 
 
 def _nproc(value: int | str) -> int:

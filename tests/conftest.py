@@ -92,7 +92,7 @@ def stage_process(project: Path, name: str, overrides: dict | None, env: dict[st
     mounts the process is forked from tests/stage_worker.py, which imported the stages' modules once."""
     if overrides is not None:
         write_params(project, overrides)
-    env = {**_stage_env(), **(env or {})}
+    env = {**stage_env(), **(env or {})}
     if mounts is None:
         return _stage_worker().run(name, project, env, timeout=600)
     cmd = ["unshare", "--map-root-user", "--mount", "sh", "-ec", f'{mounts}; exec "$@"', "sh",
@@ -100,7 +100,7 @@ def stage_process(project: Path, name: str, overrides: dict | None, env: dict[st
     return subprocess.run(cmd, cwd=project, env=env, capture_output=True, text=True, timeout=600)
 
 
-def _stage_env() -> dict[str, str]:
+def stage_env() -> dict[str, str]:
     path = os.pathsep.join(filter(None, [str(REPO / "src"), str(REPO), os.environ.get("PYTHONPATH")]))
     return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
 
@@ -109,7 +109,7 @@ class _StageWorker:
     """The suite's tests/stage_worker.py process (started at the first stage it runs)."""
 
     def __init__(self):
-        self.proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "stage_worker.py")], env=_stage_env(),
+        self.proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "stage_worker.py")], env=stage_env(),
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         if self.proc.stdout.readline().strip() != "ready":
             raise RuntimeError(f"tests/stage_worker.py did not start (exit {self.proc.wait()})")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from longctx import config
@@ -132,6 +134,15 @@ def test_config_command_prints_the_params_in_force(tmp_path):
     (tmp_path / "params.yaml").write_text("profile: prolong-64k\npack: {seed: five}\n")
     proc = subprocess.run([sys.executable, "-m", "longctx.config"], cwd=tmp_path, capture_output=True, text=True)
     assert proc.returncode == 2 and "pack.seed" in proc.stderr
+    # a billion-laughs document (10**9 values through nine levels of aliases): `dvc status` reading it ran past
+    # 20 s (killed) on 2026-12-04; the check DVC's commands are documented to follow refuses it at once
+    bombs = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"] + [
+        f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 9)]
+    (tmp_path / "params.yaml").write_text("\n".join(["profile: tiny", *bombs, "eval: {tasks: *a8}"]) + "\n")
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "longctx.config"], cwd=tmp_path, capture_output=True, text=True)
+    assert proc.returncode == 2 and "a8: unknown key" in proc.stderr and "eval.tasks.0" in proc.stderr
+    assert time.perf_counter() - start < 20 and len(proc.stderr.splitlines()) == 1
 
 
 def test_a_profile_extends_another(tmp_path, monkeypatch):

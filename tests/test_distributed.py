@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -124,3 +125,31 @@ def test_base_stage_launches_itself_on_two_processes(project_copy):
     assert two_ranks["train_loss"] == pytest.approx(one_rank["train_loss"], rel=1e-5)
     assert two_ranks["val_loss"] == pytest.approx(one_rank["val_loss"], rel=1e-5)
     assert (project_copy / "models/base/longctx_config.json").is_file()
+
+
+def test_two_nodes_of_two_processes_train_as_one_node_of_four(project_copy):
+    """Issue 64: two "nodes" on this machine, each the same stage command with 2 processes, meet
+    through torchrun's c10d rendezvous on 127.0.0.1: the losses of one node of 4 processes."""
+    from conftest import SMALL, stage_env, write_params
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = {**SMALL["train"]["base"], "micro_batch": 1, "grad_accum": 4}
+    train = {**SMALL["train"], "base": base, "nproc": 2, "nodes": 2, "rdzv_endpoint": f"127.0.0.1:{port}"}
+    write_params(project_copy, {**SMALL, "tracking": {"enabled": False}, "train": train})
+    nodes = [subprocess.Popen([sys.executable, "-m", "stages.base"], cwd=project_copy, env=stage_env(),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    said = [node.communicate(timeout=600)[1] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], said[0][-2000:] + said[1][-2000:]
+    assert all(f"base: 2 processes on each of 2 nodes (params, rendezvous 127.0.0.1:{port})" in s for s in said)
+    two_nodes = [json.loads(line)["loss"] for line in next(project_copy.glob("runs/base/*/metrics.jsonl"))
+                 .read_text().splitlines()]
+    shutil.rmtree(project_copy / "models/base")
+    shutil.rmtree(project_copy / "runs")
+    one = stage_process(project_copy, "base", {**SMALL, "tracking": {"enabled": False},
+                                               "train": {**train, "nproc": 4, "nodes": 1, "rdzv_endpoint": None}})
+    assert one.returncode == 0 and "base: 4 processes: " in one.stderr, one.stderr[-2000:]
+    one_node = [json.loads(line)["loss"] for line in next(project_copy.glob("runs/base/*/metrics.jsonl"))
+                .read_text().splitlines()]
+    assert len(two_nodes) == SMALL["train"]["base"]["steps"] and two_nodes == pytest.approx(one_node, rel=1e-6)

@@ -30,7 +30,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from conftest import REPO, SMALL, dvc_workspace, sh, stage_process, write_params
+from conftest import REPO, SMALL, dvc_workspace, sh, stage_env, stage_process, write_params
 from longctx.config import merge
 from longctx.io import atomic_dir, clear_stale
 
@@ -277,6 +277,9 @@ CASES = {
                              mounts=READ_ONLY.format("models")),
     "read_only_data": Case("pack", {}, r"data/packed: cannot write the pack stage's outputs there "
                            r"\(Read-only file system\)", mounts=READ_ONLY.format("data")),
+    "read_only_artifacts": Case("pack", {}, r"/mlartifacts: cannot write the MLflow store's files there \(Read-only "
+                                r"file system\); or set tracking.enabled: false", setup=_folder("mlartifacts"),
+                                mounts=READ_ONLY.format("mlartifacts")),
 }
 
 
@@ -296,6 +299,57 @@ def test_an_unreachable_tracking_server_can_fall_back_to_the_local_store(project
     assert done.returncode == 0, done.stderr[-2000:]
     assert "tracking: http://127.0.0.1:9 does not answer" in done.stderr and f"recording in {local}" in done.stderr
     assert pack_runs() == before + 1
+
+
+def test_a_stage_failing_after_it_replaced_an_output_says_so(project_copy):
+    """metrics/ full (a filled tmpfs) takes the start's probe but not pack.json, written after
+    data/packed was replaced: the line names what this run replaced, not "intact" (issue 63)."""
+    if not _private_mounts():
+        pytest.skip("this machine gives no private mount namespace (unshare): no tmpfs")
+    write_params(project_copy, SMALL)
+    done = stage_process(project_copy, "pack", None, None,
+                         "mount -t tmpfs -o size=8k tmpfs metrics && { cat /dev/zero > metrics/fill || true; }")
+    errors = [line for line in done.stderr.splitlines() if line.startswith("pack: error: ")]
+    assert done.returncode == 2 and len(errors) == 1, done.stderr[-2000:]
+    assert re.search(r"metrics/.*No space left on device; this run had already replaced data/packed \(its other "
+                     r"outputs are from before it\): rerun the stage$", errors[0]), errors[0]
+    assert "Traceback" not in done.stderr
+
+
+def test_a_store_whose_disk_fills_mid_training_costs_the_stage_nothing(project_copy):
+    """Issue 63: the SQLite store on a disk that fills while the base stage trains (a tmpfs in a
+    private mount namespace, filled once 20 steps are logged): one line says recording stopped,
+    training finishes and writes its outputs, exit 0; once the disk has room again the next stage
+    that records ends the run the full disk left RUNNING."""
+    if not _private_mounts():
+        pytest.skip("this machine gives no private mount namespace (unshare): no tmpfs")
+    from mlflow.tracking import MlflowClient
+
+    (project_copy / "store").mkdir()
+    uri = f"sqlite:///{project_copy / 'store' / 'mlflow.db'}"
+    write_params(project_copy, merge(SMALL, {"tracking": {"uri": uri},
+                                             "train": {"base": {"steps": 300, "checkpoint_every": 300}}}))
+    script = ('mount -t tmpfs -o size=64m tmpfs store && { "$@" -m stages.base > base.out 2> base.err & } && '
+              'until [ "$(cat runs/base/*/metrics.jsonl 2>/dev/null | wc -l)" -ge 20 ] || ! kill -0 $! 2>/dev/null; '
+              'do sleep 0.05; done; cat /dev/zero > store/fill 2>/dev/null; wait $!; echo $? > base.code; '
+              'rm store/fill; "$@" -m stages.pack > pack.out 2> pack.err; echo $? > pack.code; '
+              'cp store/mlflow.db kept.db')
+    subprocess.run(["unshare", "--map-root-user", "--mount", "sh", "-c", script, "sh", sys.executable],
+                   cwd=project_copy, env=stage_env(), timeout=600, check=True)
+    err = (project_copy / "base.err").read_text()
+    assert (project_copy / "base.code").read_text().strip() == "0", err[-2000:]
+    said = [line for line in err.splitlines() if line.startswith("tracking: ")]
+    assert len(said) == 1 and "stopped taking writes (" in said[0] and "disk is full" in said[0], err[-2000:]
+    assert "Traceback" not in err
+    steps = (next((project_copy / "runs" / "base").glob("*/metrics.jsonl"))).read_text().splitlines()
+    assert len(steps) == 300 and (project_copy / "models/base/model.safetensors").is_file()
+    assert (project_copy / "pack.code").read_text().strip() == "0", (project_copy / "pack.err").read_text()[-2000:]
+    client = MlflowClient(f"sqlite:///{project_copy / 'kept.db'}")
+    runs = {r.info.run_name: r for r in client.search_runs([client.get_experiment_by_name("longctx").experiment_id])}
+    assert runs["pack"].info.status == "FINISHED" and runs["base"].info.status == "FAILED"
+    assert "had ended without ending the run" in runs["base"].data.tags["longctx.ended_by"]
+    history = client.get_metric_history(runs["base"].info.run_id, "train/loss")
+    assert 1 <= len(history) < 300  # the steps recorded before the disk filled
 
 
 def _tree(project: Path) -> dict[str, str]:

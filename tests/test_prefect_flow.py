@@ -6,10 +6,10 @@ tests/test_dvc_pipeline.py.)"""
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -19,8 +19,10 @@ from prefect.testing.utilities import prefect_test_harness
 
 from conftest import SMALL, copy_workspace, dvc_workspace, sh
 from longctx.config import merge
+from longctx.errors import WorkspaceBusy
 from longctx.eval import compare
-from pipelines.flows import GPU_LIMIT, STAGES, StageFailed, WorkspaceBusy, ensure_gpu_limit, pipeline, sweep
+from longctx.io import pipeline_lock
+from pipelines.flows import GPU_LIMIT, STAGES, StageFailed, ensure_gpu_limit, pipeline, sweep
 
 pytestmark = pytest.mark.slow  # end to end through real DVC, Prefect and MLflow: `pytest -m "not slow"` skips it
 
@@ -46,14 +48,15 @@ def test_failure_then_resume_and_mlflow_parent_runs(small_run, tmp_path, monkeyp
     (ws / "params.yaml").write_text(yaml.safe_dump(merge(fixed, {"eval": {"lengths": [100_000]}}), sort_keys=False))
     monkeypatch.setenv("PYTHONPATH", env["PYTHONPATH"])
 
-    # a second run on a workspace whose lock is held is refused before doing anything
-    lock = ws / ".dvc/tmp/longctx-pipeline.lock"
-    lock.parent.mkdir(parents=True, exist_ok=True)
-    with lock.open("a+") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        with pytest.raises(WorkspaceBusy, match="another longctx pipeline run holds this workspace"):
+    # a second run on a workspace whose lock is held is refused before doing anything, and so is a stage
+    # `dvc repro` runs by hand beside it (issue 63: DVC's own lock is free between the flow's stages)
+    with pipeline_lock(ws, "flow run other (pid 1)"):
+        with pytest.raises(WorkspaceBusy, match=r"another longctx pipeline run holds this workspace \(flow run other"):
             pipeline(str(ws))
-        fcntl.flock(fh, fcntl.LOCK_UN)
+        by_hand = subprocess.run(["dvc", "repro", "eval"], cwd=ws, env=env, capture_output=True, text=True)
+    assert by_hand.returncode != 0 and "Traceback" not in by_hand.stdout + by_hand.stderr
+    assert re.search(r"^sft: error: the main command runs in this workspace \(flow run other \(pid 1\)\); a stage "
+                     r"run beside it would race it", by_hand.stdout + by_hand.stderr, re.M), by_hand.stderr[-2000:]
     assert not (ws / "mlflow.db").exists() and "sft" in sh(["dvc", "status"], ws, env)  # nothing ran
 
     state = pipeline(str(ws), return_state=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import hashlib
 import json
 import os
@@ -48,6 +49,52 @@ def clear_stale(folder: str | os.PathLike, name: str | None = None) -> list[Path
     return removed
 
 
+PIPELINE_LOCK = Path(".dvc") / "tmp" / "longctx-pipeline.lock"
+"""Held (flock) by the main command's flow for its whole run, with who holds it written inside."""
+PIPELINE_ENV = "LONGCTX_PIPELINE"
+"""Set by the flow for the stages it runs: they run under the lock, not beside it."""
+
+
+@contextlib.contextmanager
+def pipeline_lock(workspace: Path, holder: str) -> Iterator[None]:
+    """The workspace's pipeline lock for the body, `holder` written in it; another holder is a
+    WorkspaceBusy naming it."""
+    from .errors import WorkspaceBusy
+
+    path = workspace / PIPELINE_LOCK
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a+") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.seek(0)
+            raise WorkspaceBusy(f"{workspace}: another longctx pipeline run holds this workspace "
+                                f"({fh.read().strip() or 'unknown run'}); wait for it or use another clone") from None
+        fh.seek(0)
+        fh.truncate()
+        fh.write(holder + "\n")
+        fh.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def pipeline_holder(workspace: Path) -> str | None:
+    """Who holds the workspace's pipeline lock, for a process that is not one of its stages (a
+    `dvc repro` started by hand beside the main command); None when nobody does."""
+    path = workspace / PIPELINE_LOCK
+    if os.environ.get(PIPELINE_ENV) or not path.is_file():
+        return None
+    with path.open() as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return fh.read().strip() or "unknown run"
+        fcntl.flock(fh, fcntl.LOCK_UN)
+    return None
+
+
 def umask() -> int:
     """The process's umask, read without setting it (os.umask sets it, for every thread)."""
     with contextlib.suppress(OSError):
@@ -56,6 +103,11 @@ def umask() -> int:
     old = os.umask(0o022)
     os.umask(old)
     return old
+
+
+REPLACED: list[Path] = []
+"""What this process has replaced through atomic_dir and write_json, in order: a stage that fails
+afterwards says these changed, not that its earlier outputs are intact."""
 
 
 @contextlib.contextmanager
@@ -80,6 +132,7 @@ def atomic_dir(final: str | os.PathLike) -> Iterator[Path]:
         old = final.with_name(f".{final.name}.old-{_owner()}")
         os.replace(final, old)
     os.replace(tmp, final)
+    REPLACED.append(final)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -137,8 +190,14 @@ def write_json(path: str | os.PathLike, obj: Any) -> None:
     """Write JSON through a temp file and rename, so readers never see half a file."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{_owner()}")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    try:
+        tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    except OSError as e:  # (a write's error names no file: a full disk would be said of none)
+        tmp.unlink(missing_ok=True)
+        raise OSError(e.errno, e.strerror, str(path)) if e.filename is None else e from None
     os.replace(tmp, path)
+    if not any(".tmp-" in part for part in path.parts[:-1]):  # (inside an atomic_dir: replaced with it)
+        REPLACED.append(path)
 
 
 def read_json(path: str | os.PathLike, what: str) -> Any:

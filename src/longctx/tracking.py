@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -102,14 +104,16 @@ class Tracker:
 
     def _record(self, call: str | Callable, *args, **kwargs) -> None:
         """One call of mlflow's (by name, or a function using it); a tracking server that stops
-        answering mid-run is said once and recording stops there: the stage goes on (its numbers
-        are in metrics/ and runs/), rather than hours of training ending in a traceback."""
-        if not self._mlflow or _server_lost:
+        answering mid-run, or a store whose disk fills or turns read-only, is said once and
+        recording stops there: the stage goes on (its numbers are in metrics/ and runs/), rather
+        than hours of training ending in a traceback."""
+        if not self._mlflow or _store_lost:
             return
         try:
-            (getattr(self._mlflow, call) if isinstance(call, str) else call)(*args, **kwargs)
+            with _store_log_quiet():
+                (getattr(self._mlflow, call) if isinstance(call, str) else call)(*args, **kwargs)
         except Exception as e:
-            if not _lost_server(e):
+            if not _lost_store(e):
                 raise
 
     def metrics(self, values: dict[str, float], step: int | None = None) -> None:
@@ -119,7 +123,7 @@ class Tracker:
         if step is None:
             self._record("log_metrics", clean)
             return
-        active = self._mlflow.active_run() if self._mlflow and not _server_lost else None
+        active = self._mlflow.active_run() if self._mlflow and not _store_lost else None
         if active is None:
             return
         from mlflow.entities import Metric
@@ -146,7 +150,7 @@ class Tracker:
 
     def figure(self, make: Callable[[], Any], name: str) -> None:
         """A figure (`make` builds it, only when recording) as an image artifact `name`."""
-        if not self._mlflow or _server_lost:
+        if not self._mlflow or _store_lost:
             return
         _log_figure(lambda fig: self._record("log_figure", fig, name), make)
 
@@ -162,7 +166,7 @@ class Tracker:
         """A child run of this one (a curriculum stage of pretrain: its own loss curve from step
         1 and its own final values, not one run's keys written twice); ends FAILED if the body
         raises."""
-        if not self._mlflow or _server_lost:
+        if not self._mlflow or _store_lost:
             yield Tracker()
             return
         try:
@@ -171,31 +175,88 @@ class Tracker:
             self._mlflow.start_run(experiment_id=parent.info.experiment_id, run_name=name, nested=True,
                                    tags=inherited | tags)
         except Exception as e:
-            if not _lost_server(e):
+            if not _lost_store(e):
                 raise
         with _ending(Tracker(self._mlflow, self.section)) as child:
             yield child
 
 
-_server_lost = False
+_store_lost = False
 
 
-def _lost_server(error: Exception) -> bool:
-    """Whether `error` is a remote tracking server gone silent (then said once, and no more
-    calls are made in this process); False for anything else, which the caller raises."""
-    global _server_lost
+STORE_DISK_ERRORS = ("database or disk is full", "readonly database", "disk I/O error", "No space left on device",
+                     "Read-only file system", "Disk quota exceeded")
+"""How SQLite (through SQLAlchemy and MLflow) and the artifact store say their disk refused a write."""
+
+
+def _lost_store(error: Exception) -> bool:
+    """Whether `error` is a remote tracking server gone silent, or a store whose disk stopped
+    taking writes (then said once, and no more calls are made in this process: the run stays
+    RUNNING until the next process that records ends it, end_orphans); False for anything else,
+    which the caller raises."""
+    global _store_lost
     import mlflow
     import requests
 
+    from .io import DISK_ERRNOS
+
     uri = mlflow.get_tracking_uri()
+    remote = uri.startswith(("http://", "https://"))
     transport = isinstance(error, (requests.RequestException, OSError)) or "API request to" in str(error)
-    if not uri.startswith(("http://", "https://")) or not transport:
+    disk = (isinstance(error, OSError) and error.errno in DISK_ERRNOS) or any(
+        m in str(error) for m in STORE_DISK_ERRORS)
+    if not (remote and transport or disk):
         return False
-    if not _server_lost:
-        _server_lost = True
-        print(f"tracking: the MLflow server at {uri} stopped answering ({str(error)[:200]}); the stage goes on "
-              "without recording to it (its numbers are in metrics/ and runs/)", file=sys.stderr)
+    if not _store_lost:
+        _store_lost = True
+        what = f"the MLflow server at {uri} stopped answering" if remote and transport else \
+            f"the MLflow store {uri.removeprefix('sqlite:///')} stopped taking writes"
+        lines = [line for line in str(error).splitlines() if line.strip()]
+        reason = next((line for line in lines if any(m in line for m in STORE_DISK_ERRORS)),
+                      lines[0] if lines else type(error).__name__)[:200]
+        logging.getLogger(STORE_LOG).setLevel(logging.CRITICAL)  # (MLflow's own end of the run at exit, too)
+        print(f"tracking: {what} ({reason}); the stage goes on without recording to it (its numbers are in metrics/ "
+              "and runs/; the next stage that records ends this run)", file=sys.stderr)
     return True
+
+
+STORE_LOG = "mlflow.store.db.utils"
+"""The logger MLflow's SQL store writes each failed statement's traceback to before raising it."""
+
+
+@contextlib.contextmanager
+def _store_log_quiet() -> Iterator[None]:
+    """MLflow's SQL store silent for one call: what it raises is said once (_lost_store) or raised."""
+    log = logging.getLogger(STORE_LOG)
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(max(level, log.level) if _store_lost else level)
+
+
+PROCESS_TAG = "longctx.process"
+"""host:pid of the process that started a run: a later process ends the run if that one is gone."""
+
+
+def end_orphans(client, experiment: str) -> list[str]:
+    """Runs still RUNNING whose process (PROCESS_TAG, on this host) has ended without ending them
+    (killed outright, or its store stopped taking writes mid-run): ended FAILED, with a tag saying
+    so. Returns their ids."""
+    from .io import _running
+
+    host = socket.gethostname()
+    query = f"attributes.status = 'RUNNING' and tags.`{PROCESS_TAG}` LIKE '{host}:%'"
+    ended = []
+    for r in client.search_runs([experiment], filter_string=query):
+        pid = r.data.tags[PROCESS_TAG].rpartition(":")[2]
+        if pid.isdigit() and not _running(int(pid)):
+            client.set_tag(r.info.run_id, "longctx.ended_by", f"{host}:{os.getpid()}: its process {pid} had ended "
+                           "without ending the run")
+            client.set_terminated(r.info.run_id, "FAILED")
+            ended.append(r.info.run_id)
+    return ended
 
 
 @contextlib.contextmanager
@@ -228,7 +289,7 @@ def git_commit(root: Path) -> str | None:
 
 def run_tags(root: Path, stage: str) -> dict[str, str]:
     """What every run carries: its stage, the code's commit and the DVC experiment it belongs to."""
-    tags = {"longctx.stage": stage}
+    tags = {"longctx.stage": stage, PROCESS_TAG: f"{socket.gethostname()}:{os.getpid()}"}
     if commit := git_commit(root):
         tags["git.commit"] = commit
     if os.environ.get("DVC_EXP_NAME"):
@@ -280,6 +341,15 @@ def check_store(cfg: TrackingParams, root: Path) -> str:
     return uri
 
 
+def local_folders(cfg: TrackingParams, root: Path) -> list[Path]:
+    """The folders a local store writes to: the SQLite file's and the workspace's mlartifacts/
+    (none for a server, or with tracking off). A stage checks they take writes before its work."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI") or cfg.uri or _local_store(root)
+    if not cfg.enabled or not uri.startswith("sqlite:///"):
+        return []
+    return [Path(tracking_uri(cfg, root).removeprefix("sqlite:///")).parent, workspace_root(root) / "mlartifacts"]
+
+
 def _not_a_store(uri: str) -> DataError:
     return DataError(f"{uri.removeprefix('sqlite:///')}: not an MLflow store (file is not a database); "
                      "move it aside (a new one is made) or set tracking.enabled: false")
@@ -313,6 +383,7 @@ def stage_run(cfg: TrackingParams, root: Path, stage: str, params: dict[str, Any
     import mlflow
 
     exp_id = experiment_id(cfg, root)
+    end_orphans(mlflow.MlflowClient(), exp_id)
     # under the Prefect pipeline each stage is a child of the pipeline run's MLflow run
     parent = os.environ.get(PARENT_ENV)
     mlflow.start_run(experiment_id=exp_id, run_name=stage, tags=run_tags(root, stage), parent_run_id=parent)
@@ -331,6 +402,7 @@ def open_run(cfg: TrackingParams, root: Path, stage: str, name: str, tags: dict[
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri(cfg, root))
+    end_orphans(client, experiment_id(cfg, root))
     return client.create_run(experiment_id(cfg, root), run_name=name,
                              tags=run_tags(root, stage) | (tags or {})).info.run_id
 

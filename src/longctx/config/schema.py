@@ -376,6 +376,12 @@ class TrainParams(Strict):
     nproc: PositiveInt | Literal["auto"] = 1
     """Training processes on this machine (torchrun, one per GPU); "auto": one per visible GPU.
     Not a recipe parameter: the global batch is the same for any count."""
+    nodes: PositiveInt = 1
+    """Machines a training stage spans, each running the same stage command with nproc processes,
+    met through torchrun's c10d rendezvous at rdzv_endpoint. Under Slurm (SLURM_NNODES) or a
+    Kubeflow PyTorchJob (PET_NNODES) the launcher's count and head node are used instead."""
+    rdzv_endpoint: str | None = Field(default=None, pattern=r"^[^:\s]+:\d+$")
+    """host:port of the rendezvous, on one of the nodes (train.launch.PORT under Slurm by default)."""
 
 
 # ---------------------------------------------------------------- rope_search
