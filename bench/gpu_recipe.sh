@@ -5,6 +5,8 @@
 # paired with the first variant's (python -m longctx.eval.compare: a sign test, 95%, per checkpoint and
 # length). The stages run as `python -m stages.<name>` (no DVC, Prefect or MLflow: tracking off).
 #   OUT=... bash bench/gpu_recipe.sh name:key=value,... ...      (carry .whl)
+# name@parent: a variant of sft and eval alone, on its parent's pretrained checkpoints (linked once the parent's
+# pretrain finished: no second pretrain), its overrides merged over the parent's and paired with the parent's.
 # key: stageN.field for the Nth pretrain stage (stage2.steps=120), or a dotted params path merged over the
 # profile (pack.splits.stage2.mix.retrieval=0.1). COMMON: overrides for every workspace, the shared one
 # included (corpora domains, the eval's tasks and lengths). JOBS: variants side by side (default 2).
@@ -71,15 +73,25 @@ run_stage() {  # folder, stage, log name: skipped when it finished before
 shared=$work/shared
 workspace "$shared" "" || exit 1
 for s in corpora tokenize pack base; do run_stage "$shared" $s $s || exit 1; done
-variant() {  # name, overrides
-  local ws=$work/$1
-  workspace "$ws" "$2" || return 1
+variant() {  # name, overrides, parent (or empty)
+  local ws=$work/$1 set=$2 parent=$3
+  if [ -n "$parent" ]; then   # sft and eval on the parent's pretrained checkpoints
+    [[ ",$2" == *,train.pretrain* || ",$2" == *,stage[0-9]* ]] && { echo "$1: a variant of $parent changes sft or eval, not pretrain" >&2; return 1; }
+    set=${sets[$parent]}${sets[$parent]:+,}$2
+    until [ -f "$work/$parent/.done-pretrain" ]; do
+      [ -f "$work/$parent/.failed" ] && { echo "$1: its parent $parent failed" >&2; return 1; }
+      sleep 5
+    done
+  fi
+  workspace "$ws" "$set" || return 1
+  local from=${parent:+$work/$parent}; from=${from:-$shared}
   if [ ! -d "$ws/data/tokens" ]; then
-    mkdir -p "$ws/data" "$ws/models" && cp -al "$shared/data/corpora" "$shared/data/tokens" "$ws/data/" \
-      && { [ ! -d "$shared/models/base" ] || cp -al "$shared/models/base" "$ws/models/"; } || return 1
+    mkdir -p "$ws/data" "$ws/models" && cp -al "$from/data/corpora" "$from/data/tokens" "$ws/data/" || return 1
+    for m in "$from"/models/*; do [ "${m##*/}" = sft ] || cp -al "$m" "$ws/models/" || return 1; done
   fi
   if [[ ",$2" == *,pack.* ]]; then run_stage "$ws" pack "$1-pack" || return 1
-  elif [ ! -d "$ws/data/packed" ]; then cp -al "$shared/data/packed" "$ws/data/"; fi
+  elif [ ! -d "$ws/data/packed" ]; then cp -al "$from/data/packed" "$ws/data/"; fi
+  [ -z "$parent" ] || touch "$ws/.done-pretrain"
   for s in pretrain sft eval; do run_stage "$ws" $s "$1-$s" || return 1; done
 }
 
@@ -93,9 +105,10 @@ first=${names[0]}
   for name in "${names[@]}"; do
     echo; echo "## $name"; echo
     cat "$work/$name/reports/eval/comparison.md" 2>/dev/null || echo "(no eval: see logs/$name-*.log in recipe.tar.gz)"
-    if [ "$name" != "$first" ] && [ -f "$work/$name/reports/eval/prompts.jsonl" ]; then
+    local ref=${parents[$name]:-$first}
+    if [ "$name" != "$ref" ] && [ -f "$work/$name/reports/eval/prompts.jsonl" ]; then
       echo; python3 -m longctx.eval.compare "$work/$name/reports/eval/prompts.jsonl" \
-        "$work/$first/reports/eval/prompts.jsonl" 2>&1 | sed "1s|^.*against.*, the same|$name against $first, the same|"
+        "$work/$ref/reports/eval/prompts.jsonl" 2>&1 | sed "1s|^.*against.*, the same|$name against $ref, the same|"
     fi
   done
 } > "$out/summary.md"
@@ -103,10 +116,15 @@ first=${names[0]}
    for f in params.yaml metrics reports/eval plots/eval; do [ -e "$n/$f" ] && echo "$n/$f"; done; done))
 cat "$out/summary.md"
 }
-variants=("$@") names=(); for v in "$@"; do names+=("${v%%:*}"); done
+variants=("$@") names=(); declare -A sets parents
 for v in "$@"; do
   IFS=: read -r name set <<< "$v"
-  variant "$name" "$set" &
+  [[ $name == *@* ]] && { parents[${name%@*}]=${name#*@}; name=${name%@*}; }
+  names+=("$name"); sets[$name]=$set
+done
+for name in "${names[@]}"; do
+  rm -f "$work/$name/.failed"
+  (variant "$name" "${sets[$name]}" "${parents[$name]:-}" || { touch "$work/$name/.failed"; exit 1; }) &
   while [ "$(jobs -rp | wc -l)" -ge "${JOBS:-2}" ]; do wait -n; done
 done
 wait
