@@ -58,7 +58,7 @@ def main(name: str, run: Callable[[config.Params, Path], None],
             from longctx.train import launch
 
             on, n = launch.nodes(cfg.train), _nproc(cfg.train.nproc)
-            _check_layouts(name, cfg, trains(cfg), n * on.count)
+            _check_layouts(name, cfg, trains(cfg), n * on.count, on.count)
             if n * on.count > 1:
                 cmd = launch.torchrun(name, args.params, n, on)
                 across = f" on each of {on.count} nodes ({on.source}, rendezvous {on.endpoint})" if on.count > 1 else ""
@@ -148,14 +148,15 @@ def _check_backend(cfg: config.Params, source: str) -> None:
         raise ConfigError(f"{source}: model.attention_backend: {e}") from None
 
 
-def _check_layouts(name: str, cfg: config.Params, stages: list, n: int) -> None:
-    """The training configs fit `n` ranks (and the base model's heads, when training starts
-    from it)."""
+def _check_layouts(name: str, cfg: config.Params, stages: list, n: int, nodes: int) -> None:
+    """The training configs fit `n` ranks on `nodes` machines (and the base model's heads, when
+    training starts from it)."""
     from longctx.train.parallel import check_layout
 
     heads = cfg.model.n_heads if cfg.train.pretrain.init == "base" else None
     for i, stage in enumerate(stages):
-        check_layout(stage, n, f"train.{name}.{'stages.' + str(i) + '.' if name == 'pretrain' else ''}", heads)
+        check_layout(stage, n, f"train.{name}.{'stages.' + str(i) + '.' if name == 'pretrain' else ''}", heads,
+                     nodes)
 
 
 def _nproc(value: int | str) -> int:

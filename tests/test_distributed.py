@@ -127,9 +127,11 @@ def test_base_stage_launches_itself_on_two_processes(project_copy):
     assert (project_copy / "models/base/longctx_config.json").is_file()
 
 
-def test_two_nodes_of_two_processes_train_as_one_node_of_four(project_copy):
+def test_two_nodes_of_two_processes_train_as_one_node_of_four(project_copy, tmp_path):
     """Issue 64: two "nodes" on this machine, each the same stage command with 2 processes, meet
-    through torchrun's c10d rendezvous on 127.0.0.1: the losses of one node of 4 processes."""
+    through torchrun's c10d rendezvous on 127.0.0.1: the losses of one node of 4 processes. Their
+    HSDP checkpoint (sharded over a node's 2 ranks, replicated on the 2 nodes) resumes on one node
+    of 4 and on one process with the losses the two nodes had."""
     from conftest import SMALL, stage_env, write_params
 
     with socket.socket() as s:
@@ -143,13 +145,47 @@ def test_two_nodes_of_two_processes_train_as_one_node_of_four(project_copy):
     said = [node.communicate(timeout=600)[1] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], said[0][-2000:] + said[1][-2000:]
     assert all(f"base: 2 processes on each of 2 nodes (params, rendezvous 127.0.0.1:{port})" in s for s in said)
-    two_nodes = [json.loads(line)["loss"] for line in next(project_copy.glob("runs/base/*/metrics.jsonl"))
-                 .read_text().splitlines()]
+    assert "base: weights sharded over the 2 ranks of each node, replicated on 2 nodes" in "".join(said)
+
+    def losses(folder: Path) -> list[float]:
+        return [json.loads(line)["loss"] for line in next(folder.glob("runs/base/*/metrics.jsonl"))
+                .read_text().splitlines()]
+
+    def on_one_node(folder: Path, nproc: int, says: str) -> list[float]:
+        one = stage_process(folder, "base", {**SMALL, "tracking": {"enabled": False},
+                                             "train": {**train, "nproc": nproc, "nodes": 1, "rdzv_endpoint": None}})
+        assert one.returncode == 0 and says in one.stderr, one.stderr[-2000:]
+        return losses(folder)
+
+    two_nodes = losses(project_copy)
+    assert len(two_nodes) == base["steps"]
+    resumed = {}
+    for nproc, says in [(4, "base: weights sharded over 4 ranks"), (1, "")]:
+        folder = tmp_path / f"resume-{nproc}"
+        shutil.copytree(project_copy, folder)
+        shutil.rmtree(folder / "models/base")
+        [last] = folder.glob(f"runs/base/*/checkpoints/step-{base['steps']:08d}")
+        shutil.rmtree(last)  # the run resumes from step 2's checkpoint, written by the two nodes
+        resumed[nproc] = on_one_node(folder, nproc, says)
+    assert resumed[4] == pytest.approx(two_nodes, rel=1e-6) and resumed[1] == pytest.approx(two_nodes, rel=1e-5)
     shutil.rmtree(project_copy / "models/base")
     shutil.rmtree(project_copy / "runs")
-    one = stage_process(project_copy, "base", {**SMALL, "tracking": {"enabled": False},
-                                               "train": {**train, "nproc": 4, "nodes": 1, "rdzv_endpoint": None}})
-    assert one.returncode == 0 and "base: 4 processes: " in one.stderr, one.stderr[-2000:]
-    one_node = [json.loads(line)["loss"] for line in next(project_copy.glob("runs/base/*/metrics.jsonl"))
-                .read_text().splitlines()]
-    assert len(two_nodes) == SMALL["train"]["base"]["steps"] and two_nodes == pytest.approx(one_node, rel=1e-6)
+    assert on_one_node(project_copy, 4, "base: 4 processes: ") == pytest.approx(two_nodes, rel=1e-6)
+
+
+def test_sequence_parallel_groups_stay_on_a_node():
+    """Ulysses' all-to-alls on NVLink, never across the network: on 2 nodes of 4 ranks a group of 4
+    fits a node, a group of 8 (dividing the world and the heads) is refused, naming the field."""
+    from longctx.config.schema import StageParams
+    from longctx.errors import ConfigError
+    from longctx.train.parallel import check_layout
+
+    def stage(sp: int, accum: int = 1) -> StageParams:
+        return StageParams(split="base", steps=1, lr=1e-3, sequence_parallel=sp, grad_accum=accum)
+
+    check_layout(stage(4, 2), 8, "train.base.", n_heads=8, nodes=2)
+    check_layout(stage(8), 8, "train.base.", n_heads=8)  # one node of 8
+    with pytest.raises(ConfigError, match=r"train\.base\.sequence_parallel: 8 does not divide the 4 ranks of a node"):
+        check_layout(stage(8), 8, "train.base.", n_heads=8, nodes=2)
+    with pytest.raises(ValueError, match="sharding"):
+        StageParams(split="base", steps=1, lr=1e-3, sharding="replicated")

@@ -315,7 +315,13 @@ class RunParams(Strict):
     eps / L of their row (the paper's e^-10 = 4.54e-5). Needs the 'fox' attention backend
     (CUDA); the pruned fraction is logged per step. None: off."""
     sequence_parallel: PositiveInt = 1
-    """Ranks that share each sequence (Ulysses); must divide the world size and the heads."""
+    """Ranks that share each sequence (Ulysses); must divide the world size and the heads, and on
+    several nodes the ranks of one node (its all-to-alls stay on the node's own links)."""
+    sharding: Literal["hybrid", "full"] = "hybrid"
+    """On several nodes: hybrid shards the weights and optimizer state over the ranks of each node
+    and replicates them across nodes (HSDP: only the gradients' all-reduce crosses the network);
+    full shards them over every rank (1/nodes the memory of hybrid, every gather across the
+    network). One node: the same."""
     seqpe: SeqPETraining = SeqPETraining()
 
     @model_validator(mode="after")

@@ -15,6 +15,7 @@ import functools
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +39,7 @@ from ..progress import progress
 from . import checkpoint
 from .compiled import compile_blocks
 from .optim import adamw, lr_at
-from .parallel import Parallel, check_layout, sequence_parallel, shard, sharded, with_sequence_parallel
+from .parallel import Parallel, check_layout, layout, sequence_parallel, shard, sharded, with_sequence_parallel
 from .seqpe import SeqPEStep
 
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12}
@@ -415,7 +416,7 @@ def prepare(model: Transformer, cfg: RunParams, par: Parallel) -> Transformer:
     for i, block in enumerate(model.layers):
         block.mlp.tile, block.offload = cfg.mlp_tile, offload if i < moved else None
     sequence_parallel(model, par.sp_group)
-    shard(model, par, offload=cfg.offload)
+    shard(model, par, offload=cfg.offload, sharding=cfg.sharding)
     if cfg.compile and par.device.type == "cuda":
         compile_blocks(model)
     return model
@@ -431,9 +432,11 @@ def train(model: Transformer, data: PackedDataset | Curriculum, cfg: RunParams, 
     and every rank calls this; only the main rank writes files and logs."""
     par = with_sequence_parallel(par or Parallel(device=next(model.parameters()).device),
                                  cfg.sequence_parallel, model.cfg.n_heads)
-    check_layout(cfg, par.world)
+    check_layout(cfg, par.world, nodes=par.nodes)
     device = par.device
     prepare(model, cfg, par)
+    if par.main and par.distributed:
+        print(f"{out.parent.name}: {layout(model, par)}", file=sys.stderr)
     opt = adamw(model, cfg.lr, cfg.betas, cfg.weight_decay)
     ckpt_dir = out / "checkpoints"
     log_path = out / "metrics.jsonl"

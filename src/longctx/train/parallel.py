@@ -1,11 +1,15 @@
-"""Distributed training: FSDP2 over all ranks, Ulysses sequence parallelism inside groups.
+"""Distributed training: FSDP2 over the ranks (HSDP across nodes), Ulysses sequence parallelism
+inside groups.
 
-A world of W ranks is split into W / sp data-parallel replicas of `sp` consecutive ranks. The
-ranks of one sequence-parallel group read the same micro-batch and each embed 1/sp of its
-tokens; around each attention core an all-to-all trades that token split for a head split
-(every rank then holds every token of 1/sp of the heads), and back after it (`sequence_parallel`).
-FSDP2 shards parameters and optimizer state over all W ranks; gradients are summed, not
-averaged, because every rank's loss is already divided by the step's global valid-token count.
+A world of W ranks is split into W / sp data-parallel replicas of `sp` consecutive ranks (on
+one node: torchrun numbers a node's ranks consecutively). The ranks of one sequence-parallel
+group read the same micro-batch and each embed 1/sp of its tokens; around each attention core an
+all-to-all trades that token split for a head split (every rank then holds every token of 1/sp of
+the heads), and back after it (`sequence_parallel`). FSDP2 shards parameters and optimizer state
+over the W ranks of one node, or, on N nodes, over each node's W / N ranks with the shards
+replicated across nodes (a [N, W / N] mesh: HSDP), or over all W (`sharding: full`). Gradients
+are summed, not averaged, because every rank's loss is already divided by the step's global
+valid-token count.
 On GPUs it is also the mixed precision: fp32 master weights, gradients and optimizer state
 (sharded), bf16 weights gathered for compute, fp32 gradient reduction. A single GPU keeps the
 same arithmetic with bf16 compute copies (precision.py), or, offloading, as FSDP2's world of
@@ -16,7 +20,7 @@ from __future__ import annotations
 
 import datetime
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -36,6 +40,8 @@ class Parallel:
     sp: int = 1
     sp_group: dist.ProcessGroup | None = None
     device: torch.device = torch.device("cpu")
+    nodes: int = 1
+    """Machines the world spans (torchrun's WORLD_SIZE / LOCAL_WORLD_SIZE): the mesh's replicas."""
 
     @property
     def distributed(self) -> bool:
@@ -91,16 +97,21 @@ def init() -> Parallel:
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30), device_id=device
                                 if device.type == "cuda" else None)
-    return Parallel(rank=dist.get_rank(), world=dist.get_world_size(), device=device)
+    world = dist.get_world_size()
+    return Parallel(rank=dist.get_rank(), world=world, device=device,
+                    nodes=world // int(os.environ.get("LOCAL_WORLD_SIZE", world)))
 
 
-def check_layout(cfg, world: int, where: str = "", n_heads: int | None = None) -> None:
-    """That a training config's batch and sequence parallelism fit `world` ranks and, where
-    known, the model's `n_heads` (Ulysses deals heads to ranks) before any process starts, and
-    again in the loop."""
+def check_layout(cfg, world: int, where: str = "", n_heads: int | None = None, nodes: int = 1) -> None:
+    """That a training config's batch and sequence parallelism fit `world` ranks on `nodes`
+    machines and, where known, the model's `n_heads` (Ulysses deals heads to ranks) before any
+    process starts, and again in the loop."""
     sp = cfg.sequence_parallel
     if world % sp:
         raise ConfigError(f"{where}sequence_parallel: {sp} does not divide the world size {world}")
+    if (world // nodes) % sp:
+        raise ConfigError(f"{where}sequence_parallel: {sp} does not divide the {world // nodes} ranks of a node: a "
+                          "group's all-to-alls would cross the network")
     if n_heads is not None and n_heads % sp:
         raise ConfigError(f"{where}sequence_parallel: {sp} does not divide the model's {n_heads} attention heads")
     if cfg.grad_accum % (world // sp):
@@ -119,7 +130,7 @@ def with_sequence_parallel(par: Parallel, sp: int, n_heads: int) -> Parallel:
     group = None
     if sp > 1:
         group, _ = dist.new_subgroups(group_size=sp)
-    return Parallel(rank=par.rank, world=par.world, sp=sp, sp_group=group, device=par.device)
+    return replace(par, sp=sp, sp_group=group)
 
 
 def sequence_parallel(model: Transformer, group: dist.ProcessGroup | None) -> Transformer:
@@ -165,12 +176,13 @@ def host_threads() -> int:
     return max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
 
 
-def shard(model: Transformer, par: Parallel, offload: bool = False) -> Transformer:
-    """FSDP2 over all ranks: one unit per transformer block, the rest (embeddings, final norm,
-    head) in the root unit; on GPUs with bf16 compute weights over fp32 master weights. A single
-    GPU gets bf16 compute copies instead (the same arithmetic, 3-19% faster steps: precision.py),
-    or FSDP2 as a world of one to offload. `offload`: parameters, gradients and optimizer state
-    live in host memory between uses (the optimizer steps on the CPU). A no-op for a single CPU
+def shard(model: Transformer, par: Parallel, offload: bool = False, sharding: str = "hybrid") -> Transformer:
+    """FSDP2: one unit per transformer block, the rest (embeddings, final norm, head) in the root
+    unit, sharded over one node's ranks and replicated across nodes (`sharding` hybrid) or over
+    every rank (full); on GPUs with bf16 compute weights over fp32 master weights. A single GPU
+    gets bf16 compute copies instead (the same arithmetic, 3-19% faster steps: precision.py), or
+    FSDP2 as a world of one to offload. `offload`: parameters, gradients and optimizer state live
+    in host memory between uses (the optimizer steps on the CPU). A no-op for a single CPU
     process."""
     gpu = par.device.type == "cuda"
     if not (par.distributed or gpu):
@@ -180,15 +192,13 @@ def shard(model: Transformer, par: Parallel, offload: bool = False) -> Transform
     if not (par.distributed or offload):
         attach(model)
         return model
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     if not par.distributed:
         _world_of_one(par.device)
     if offload:
         torch.set_num_threads(max(torch.get_num_threads(), host_threads()))
-    mesh = init_device_mesh(par.device.type, (par.world,))
-    options = {"mesh": mesh, "offload_policy": CPUOffloadPolicy() if offload else OffloadPolicy(),
+    options = {"mesh": mesh(par, sharding), "offload_policy": CPUOffloadPolicy() if offload else OffloadPolicy(),
                # a world of one gathers nothing: keep the bf16 weights from forward to backward
                "reshard_after_forward": par.distributed}
     if gpu:
@@ -200,6 +210,30 @@ def shard(model: Transformer, par: Parallel, offload: bool = False) -> Transform
         unit.set_gradient_divide_factor(1.0)  # sum: each rank's loss is pre-divided by the global count
         unit.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no pre-multiplied sum)
     return model
+
+
+def mesh(par: Parallel, sharding: str = "hybrid"):
+    """FSDP2's device mesh: [nodes, ranks a node] (replicate, shard) for hybrid sharding on
+    several nodes, else one dimension of every rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if sharding == "hybrid" and par.nodes > 1:
+        return init_device_mesh(par.device.type, (par.nodes, par.world // par.nodes),
+                                mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(par.device.type, (par.world,))
+
+
+def layout(model: Transformer, par: Parallel) -> str:
+    """Where the weights and the sequences went, in words (a stage's log), read off a sharded
+    weight's own mesh."""
+    mesh = getattr(next(model.parameters()), "device_mesh", None)
+    if mesh is None:
+        where = "weights whole on each rank"
+    elif mesh.ndim == 2:
+        where = f"weights sharded over the {mesh.shape[1]} ranks of each node, replicated on {mesh.shape[0]} nodes"
+    else:
+        where = f"weights sharded over {mesh.shape[0]} ranks" + (f" on {par.nodes} nodes" if par.nodes > 1 else "")
+    return where + (f"; each sequence split over {par.sp} ranks" if par.sp > 1 else "")
 
 
 def sharded(model: torch.nn.Module) -> bool:
