@@ -160,7 +160,7 @@ def test_two_nodes_of_two_processes_train_as_one_node_of_four(project_copy, tmp_
     two_nodes = losses(project_copy)
     assert len(two_nodes) == base["steps"]
     resumed = {}
-    for nproc, says in [(4, "base: weights sharded over 4 ranks"), (1, "")]:
+    for nproc, says in [(4, "base: weights sharded over 4 ranks"), (1, "base: goes on from step 2 (")]:
         folder = tmp_path / f"resume-{nproc}"
         shutil.copytree(project_copy, folder)
         shutil.rmtree(folder / "models/base")
@@ -189,3 +189,4 @@ def test_sequence_parallel_groups_stay_on_a_node():
         check_layout(stage(8), 8, "train.base.", n_heads=8, nodes=2)
     with pytest.raises(ValueError, match="sharding"):
         StageParams(split="base", steps=1, lr=1e-3, sharding="replicated")
+

@@ -444,6 +444,8 @@ def train(model: Transformer, data: PackedDataset | Curriculum, cfg: RunParams, 
     found = checkpoint.latest(ckpt_dir) if resume else None
     if found is not None:
         start = checkpoint.load(found, model, opt)["step"]
+        if par.main:
+            print(f"{out.parent.name}: goes on from step {start} ({found})", file=sys.stderr)
     par.barrier()  # every rank has read the checkpoint before the main rank may write the next
     if par.main:
         out.mkdir(parents=True, exist_ok=True)
