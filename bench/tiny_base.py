@@ -39,7 +39,7 @@ def recipe(cfg: config.Params) -> dict:
     tokenizer, the base split's packing, the model's shape and its training."""
     if cfg.train.base is None:
         raise ConfigError(f"profile {cfg.profile}: train.base is not set; nothing trains a base model")
-    d = cfg.model_dump(mode="json")
+    d = cfg.model_dump(mode="json", exclude={"train": {"base": set(cfg.train.base.PLACEMENT)}})
     split = cfg.train.base.split
     pack = {k: v for k, v in d["pack"].items() if k != "splits"} | {"splits": {split: d["pack"]["splits"][split]}}
     return {"corpora": d["corpora"], "tokenize": d["tokenize"], "pack": pack, "model": d["model"],

@@ -61,15 +61,10 @@ def fingerprint(folder: Path) -> str:
     return h.hexdigest()[:16]
 
 
-PLACEMENT = {"sharding"}
-"""Stage fields that place the work on the ranks without changing what is computed: a run resumes
-across them (written with hybrid sharding on 2 nodes, resumed fully sharded on 1)."""
-
-
 def run_folder(name: str, stage: StageParams, model: Transformer, init: str) -> Path:
     """A run resumes only into the folder of the same params, model, starting weights and data."""
     data = [fingerprint(PACKED / split / "train") for split in [*(p.split for p in stage.curriculum), stage.split]]
-    recipe = stage.model_dump(mode="json", exclude=PLACEMENT)
+    recipe = stage.model_dump(mode="json", exclude=set(stage.PLACEMENT))
     key = json.dumps([recipe, model.cfg.model_dump(mode="json"), init, data], sort_keys=True)
     return RUNS / name / hashlib.sha256(key.encode()).hexdigest()[:12]
 

@@ -324,6 +324,11 @@ class RunParams(Strict):
     network). One node: the same."""
     seqpe: SeqPETraining = SeqPETraining()
 
+    PLACEMENT: ClassVar[frozenset[str]] = frozenset({"sharding"})
+    """Fields that place the work on the ranks without changing what is computed: a run resumes
+    across them (written with hybrid sharding on 2 nodes, resumed fully sharded on 1), and a
+    recorded recipe leaves them out."""
+
     @model_validator(mode="after")
     def _offload_needs_full_recomputation(self) -> RunParams:
         if self.offload_activations and self.activation_checkpointing not in ("full", "halves"):
