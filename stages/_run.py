@@ -32,7 +32,8 @@ def main(name: str, run: Callable[[config.Params, Path], None],
     train.nproc ranks and the model's heads. The folders it `writes` (and metrics/, plots/) must
     take writes before any work; a disk that fills up or turns read-only mid-stage is one line
     and exit 2 too. With train.nproc > 1 it then starts itself again under torchrun, one process
-    per GPU (gloo processes on a CPU machine); rank 0 writes the outputs."""
+    per GPU (gloo processes on a CPU machine); rank 0 writes the outputs. With train.slurm.enabled
+    (outside a Slurm job) it runs as a batch job instead, and waits for it."""
     parser = argparse.ArgumentParser(prog=f"python -m stages.{name}", description=run.__doc__)
     parser.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
     args = parser.parse_args()
@@ -55,8 +56,12 @@ def main(name: str, run: Callable[[config.Params, Path], None],
         if launcher and (models or trains):
             _check_backend(cfg, args.params)
         if launcher and trains:
-            from longctx.train import launch
+            from longctx.train import launch, slurm
 
+            if cfg.train.slurm.enabled and "SLURM_JOB_ID" not in os.environ:  # (in a job: run in it)
+                per_node = slurm.processes_per_node(cfg.train)
+                _check_layouts(name, cfg, trains(cfg), per_node * cfg.train.nodes, cfg.train.nodes)
+                sys.exit(slurm.run(name, args.params, cfg.train, Path.cwd()))
             on, n = launch.nodes(cfg.train), _nproc(cfg.train.nproc)
             _check_layouts(name, cfg, trains(cfg), n * on.count, on.count)
             if n * on.count > 1:

@@ -378,6 +378,36 @@ class PretrainParams(Strict):
     stages: list[PretrainStageParams] = Field(min_length=1)
 
 
+class SlurmParams(Strict):
+    """A training stage as a Slurm batch job (train/slurm.py): its command submits the job, streams
+    the job's log and cancels it when stopped; in the job, srun runs the stage on each of
+    train.nodes nodes. Not a recipe parameter."""
+
+    enabled: bool = False
+    partition: str | None = None
+    account: str | None = None
+    time: str = Field(default="24:00:00", pattern=r"^(\d+-)?\d+(:\d\d){0,2}$")
+    """The job's time limit, as sbatch takes it (days-hours:minutes:seconds)."""
+    gpus_per_node: NonNegativeInt | None = None
+    """GPUs a node (one training process each); default train.nproc; 0: a CPU job of train.nproc processes."""
+    cpus_per_node: PositiveInt | None = None
+    options: list[str] = []
+    """More #SBATCH lines, as sbatch takes them: ["--qos=high", "--exclusive"]."""
+    setup: list[str] = []
+    """Shell lines the job runs before the stage (module load ..., source .venv/bin/activate)."""
+    python: str | None = None
+    """The interpreter the job runs the stage with; default the one submitting it."""
+    poll_seconds: float = Field(default=5.0, gt=0)
+
+    @field_validator("options")
+    @classmethod
+    def _options_are_flags(cls, v: list[str]) -> list[str]:
+        for opt in v:
+            if not opt.startswith("-") or "\n" in opt:
+                raise ValueError(f"{opt!r}: an sbatch option, one line starting with - (--qos=high)")
+        return v
+
+
 class TrainParams(Strict):
     base: StageParams | None = None
     """Short-context training of a base model from scratch; null when pretrain starts from a
@@ -393,6 +423,7 @@ class TrainParams(Strict):
     Kubeflow PyTorchJob (PET_NNODES) the launcher's count and head node are used instead."""
     rdzv_endpoint: str | None = Field(default=None, pattern=r"^[^:\s]+:\d+$")
     """host:port of the rendezvous, on one of the nodes (train.launch.PORT under Slurm by default)."""
+    slurm: SlurmParams = SlurmParams()
 
 
 # ---------------------------------------------------------------- rope_search

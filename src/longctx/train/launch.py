@@ -52,7 +52,8 @@ def nodes(train: TrainParams, env: Mapping[str, str] = os.environ) -> Nodes:
 
 
 def _slurm_head(env: Mapping[str, str]) -> str:
-    """The allocation's first node (SLURM_JOB_NODELIST is compressed: node[01-04])."""
+    """The address Slurm reaches the allocation's first node at (SLURM_JOB_NODELIST is compressed:
+    node[01-04]; a node's NodeAddr is its hostname unless slurm.conf says another)."""
     listed = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
     if not listed:
         raise ConfigError("SLURM_NNODES > 1 but SLURM_JOB_NODELIST is unset: set MASTER_ADDR to the head node")
@@ -62,7 +63,10 @@ def _slurm_head(env: Mapping[str, str]) -> str:
     out = subprocess.run(["scontrol", "show", "hostnames", listed], capture_output=True, text=True, timeout=30)
     if out.returncode or not out.stdout.split():
         raise ConfigError(f"scontrol show hostnames {listed}: {out.stderr.strip() or 'no hosts'}")
-    return out.stdout.split()[0]
+    head = out.stdout.split()[0]
+    node = subprocess.run(["scontrol", "show", "node", "-o", head], capture_output=True, text=True, timeout=30)
+    addr = [f.split("=", 1)[1] for f in node.stdout.split() if f.startswith("NodeAddr=")]
+    return addr[0] if addr and addr[0] != "(null)" else head
 
 
 def torchrun(stage: str, params: str, nproc: int, on: Nodes) -> list[str]:
