@@ -68,7 +68,11 @@ def main(name: str, run: Callable[[config.Params, Path], None],
                 cmd = launch.torchrun(name, args.params, n, on)
                 across = f" on each of {on.count} nodes ({on.source}, rendezvous {on.endpoint})" if on.count > 1 else ""
                 print(f"{name}: {n} processes{across}: {' '.join(cmd[1:])}", file=sys.stderr)
-                sys.exit(subprocess.run(cmd).returncode)
+                code = subprocess.run(cmd).returncode
+                if code != 0 and on.count > 1:
+                    print(f"{name}: stopped on this node (torchrun exit {code}): a process here or another node failed "
+                          f"(its error is above); {_resumes_from(name)}", file=sys.stderr)
+                sys.exit(code)
         run(cfg, Path.cwd())
     except LongctxError as e:  # every rank says it: the launcher may stop the others first
         print(f"{name}: error{'' if rank0 else ' (rank ' + os.environ['RANK'] + ')'}: {e}{_under_dvc()}",
@@ -87,6 +91,17 @@ def main(name: str, run: Callable[[config.Params, Path], None],
             print(f"{name}: {what}{_under_dvc() or '; no outputs were changed'}; `dvc repro {name}` {again}",
                   file=sys.stderr)
         sys.exit(143 if isinstance(e, Terminated) else 130)
+
+
+def _resumes_from(stage: str) -> str:
+    """Where a rerun of a training stage goes on from: its newest complete checkpoint."""
+    from longctx.train import checkpoint
+
+    found = sorted((c for run in Path("runs", stage).glob("*/checkpoints") for c in checkpoint.checkpoints(run)),
+                   key=lambda c: c.stat().st_mtime)
+    if not found:
+        return f"no checkpoint was written: `dvc repro {stage}` starts it again"
+    return f"`dvc repro {stage}` goes on from {found[-1]}"
 
 
 def _terminate(signum, frame) -> None:

@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -171,6 +173,48 @@ def test_two_nodes_of_two_processes_train_as_one_node_of_four(project_copy, tmp_
     shutil.rmtree(project_copy / "models/base")
     shutil.rmtree(project_copy / "runs")
     assert on_one_node(project_copy, 4, "base: 4 processes: ") == pytest.approx(two_nodes, rel=1e-6)
+
+
+def test_a_node_that_dies_stops_the_other_and_the_stage_resumes_from_its_checkpoint(project_copy):
+    """Issue 64: two "nodes" of 2 processes; after the first checkpoint every process of node B (its
+    stage command, torchrun's agent, its workers) is killed. Node A stops within seconds with one
+    line naming the checkpoint a rerun goes on from; nothing is written but complete checkpoints;
+    the rerun, on one node, goes on from there."""
+    from conftest import SMALL, stage_env, write_params
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = {**SMALL["train"]["base"], "micro_batch": 1, "grad_accum": 4, "steps": 40, "checkpoint_every": 10}
+    train = {**SMALL["train"], "base": base, "nproc": 2, "nodes": 2, "rdzv_endpoint": f"127.0.0.1:{port}"}
+    write_params(project_copy, {**SMALL, "tracking": {"enabled": False}, "train": train})
+    nodes = [subprocess.Popen([sys.executable, "-m", "stages.base"], cwd=project_copy, env=stage_env(),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    deadline = time.monotonic() + 300
+    while not list(project_copy.glob("runs/base/*/checkpoints/step-00000010/trainer_state.json")):
+        assert time.monotonic() < deadline and nodes[0].poll() is None, "no checkpoint came"
+        time.sleep(0.05)
+    dead = [nodes[1].pid]   # torchrun starts its workers in sessions of their own: the node's whole tree
+    for pid in dead:
+        dead += map(int, subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split())
+    for pid in dead:
+        os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    said = nodes[0].communicate(timeout=120)[1]
+    nodes[1].communicate()
+    assert nodes[0].returncode != 0 and time.monotonic() - killed < 60, said[-3000:]
+    [last] = [line for line in said.splitlines() if line.startswith("base: stopped on this node")]
+    assert said.rstrip().endswith(last)
+    [ckpt] = [c for c in project_copy.glob("runs/base/*/checkpoints/*") if c.name in last]   # complete, named
+    assert (ckpt / "trainer_state.json").is_file() and not (project_copy / "models" / "base").exists()
+    assert not (project_copy / "metrics" / "base.json").exists()
+    assert all((c / "trainer_state.json").is_file() for c in project_copy.glob("runs/base/*/checkpoints/step-*"))
+    step = int(ckpt.name.split("-")[1])
+    again = stage_process(project_copy, "base", {**SMALL, "tracking": {"enabled": False},
+                                                 "train": {**train, "nodes": 1, "rdzv_endpoint": None}})
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"base: goes on from step {step} (" in again.stderr
+    assert (project_copy / "models" / "base" / "model.safetensors").is_file()
 
 
 def test_sequence_parallel_groups_stay_on_a_node():
