@@ -41,7 +41,8 @@ def main(name: str, run: Callable[[config.Params, Path], None],
     signal.signal(signal.SIGTERM, _terminate)
     try:
         cfg = config.load(args.params)
-        launcher = "RANK" not in os.environ  # (torchrun's ranks were checked by it)
+        # (torchrun's workers, whose ranks it checked, have LOCAL_RANK; a PyTorchJob's pods have RANK without it)
+        launcher = "LOCAL_RANK" not in os.environ
         if launcher and (holder := pipeline_holder(Path.cwd())):
             raise WorkspaceBusy(f"the main command runs in this workspace ({holder}); a stage run beside it would "
                                 "race it for the same outputs: wait for it to finish, or stop it, then rerun this")
