@@ -71,7 +71,8 @@ def test_its_data_stages_run_on_a_sample(tmp_path):
             "chat": {"sources": [{"builtin": "stdlib_sft", "max_bytes": 200_000}]},
             "retrieval_short": synthetic(120, 1200, 600_000),
             "retrieval": synthetic(1200, 13000, 1_200_000),
-            "retrieval_16k": synthetic(13000, 52000, 1_500_000)}},
+            "retrieval_16k": synthetic(13000, 52000, 1_500_000),
+            "retrieval_64k": synthetic(52000, 200000, 1_500_000)}},
         "tokenize": {"tokenizer": {"train": {"sample_bytes": 2_000_000}}, "num_workers": 1},
         # a sample's few documents: its validation part must fill a sequence, its shares come coarser
         "pack": {"val_fraction": 0.3, "tolerance": 0.15},
@@ -80,7 +81,7 @@ def test_its_data_stages_run_on_a_sample(tmp_path):
     run_stages(tmp_path, ["corpora", "tokenize", "pack"], sample)
     lengths = json.loads((tmp_path / "metrics/tokenize.json").read_text())["lengths"]
     assert lengths["code_repos"]["docs"] >= 2 and lengths["code_repos"]["pct_gt_64k"] > 0  # packages past 64K
-    windows = {"retrieval_short": "base", "retrieval": "base", "retrieval_16k": "stage1"}
+    windows = {"retrieval_short": "base", "retrieval": "base", "retrieval_16k": "stage1", "retrieval_64k": "stage2"}
     for domain, split in windows.items():
         chunk = config.resolve({"profile": "gpu-64k"}).pack.splits[split].base_len  # whole documents' chunk
         assert lengths[domain]["max"] <= chunk, (domain, lengths[domain]["max"], chunk)  # the question stays in
