@@ -60,7 +60,7 @@ def main(name: str, run: Callable[[config.Params, Path], None],
             from longctx.train import launch, slurm
 
             if cfg.train.slurm.enabled and "SLURM_JOB_ID" not in os.environ:  # (in a job: run in it)
-                per_node = slurm.processes_per_node(cfg.train)
+                _, per_node = slurm.per_node(cfg.train)
                 _check_layouts(name, cfg, trains(cfg), per_node * cfg.train.nodes, cfg.train.nodes)
                 sys.exit(slurm.run(name, args.params, cfg.train, Path.cwd()))
             on, n = launch.nodes(cfg.train), _nproc(cfg.train.nproc)

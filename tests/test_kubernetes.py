@@ -76,7 +76,7 @@ def test_one_node_is_a_master_alone_and_cpu_pods_ask_for_no_gpu():
     assert "resources" not in job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
     with pytest.raises(ConfigError, match="not a training stage"):
         kubernetes.pytorchjob("eval", train, "img:1", "ws")
-    with pytest.raises(ConfigError, match="pass --gpus"):
+    with pytest.raises(ConfigError, match="set --gpus"):
         kubernetes.pytorchjob("sft", train.model_copy(update={"nproc": "auto"}), "img:1", "ws")
     with pytest.raises(ConfigError, match="job name"):
         kubernetes.pytorchjob("sft", train, "img:1", "ws", name="Bad_Name")

@@ -41,10 +41,10 @@ def test_the_script_asks_for_the_nodes_and_gpus_and_runs_the_stage_under_srun(tm
     assert lines.index("source .venv/bin/activate") < lines.index(next(x for x in lines if x.startswith("srun")))
     cpu = train.model_copy(update={"slurm": train.slurm.model_copy(update={"gpus_per_node": 0})})
     assert "gpus-per-node" not in slurm.script("base", "p.yaml", cpu, tmp_path, tmp_path / "l", tmp_path / "r")
-    assert slurm.processes_per_node(cpu) == 8
+    assert slurm.per_node(cpu) == (0, 8)
     auto = train.model_copy(update={"nproc": "auto"})
     with pytest.raises(ConfigError, match="train.slurm.gpus_per_node"):
-        slurm.gpus_per_node(auto)
+        slurm.per_node(auto)
     with pytest.raises(ConfigError, match="train.slurm.options"):
         config.resolve({"profile": "tiny", "train": {"slurm": {"options": ["qos=high"]}}})
     with pytest.raises(ConfigError, match="train.slurm.time"):

@@ -20,20 +20,13 @@ import yaml
 
 from ..config import TrainParams, load
 from ..errors import ConfigError, LongctxError
+from . import launch
 
 STAGES = ("base", "pretrain", "sft")
 WORKSPACE = "/workspace"
 PORT = 23456
 """The Master's rendezvous port (the operator's default, named pytorchjob-port)."""
 NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-
-
-def _gpus(train: TrainParams, gpus: int | None) -> int:
-    if gpus is not None:
-        return gpus
-    if train.nproc == "auto":
-        raise ConfigError("train.nproc is auto: a pod must say how many GPUs it needs; pass --gpus")
-    return int(train.nproc)
 
 
 def pytorchjob(stage: str, train: TrainParams, image: str, claim: str, *, name: str | None = None,
@@ -46,7 +39,7 @@ def pytorchjob(stage: str, train: TrainParams, image: str, claim: str, *, name: 
     name = name or f"longctx-{stage}"
     if not NAME.match(name) or len(name) > 48:
         raise ConfigError(f"{name!r}: a job name is lower-case letters, digits and '-', at most 48 characters")
-    n = _gpus(train, gpus)
+    n, per_node = launch.per_node(train, gpus, "--gpus")
     container = {
         "name": "pytorch",   # (the operator's name for the training container)
         "image": image,
@@ -64,7 +57,6 @@ def pytorchjob(stage: str, train: TrainParams, image: str, claim: str, *, name: 
     replicas = {"Master": {"replicas": 1, "restartPolicy": "OnFailure", "template": pod}}
     if train.nodes > 1:
         replicas["Worker"] = {"replicas": train.nodes - 1, "restartPolicy": "OnFailure", "template": pod}
-    per_node = n or (1 if train.nproc == "auto" else int(train.nproc))
     return {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob",
             "metadata": {"name": name, "namespace": namespace, "labels": {"app.kubernetes.io/part-of": "longctx",
                                                                          "longctx/stage": stage}},

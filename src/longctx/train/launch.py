@@ -69,6 +69,18 @@ def _slurm_head(env: Mapping[str, str]) -> str:
     return addr[0] if addr and addr[0] != "(null)" else head
 
 
+def per_node(train: TrainParams, gpus: int | None, field: str) -> tuple[int, int]:
+    """(GPUs, training processes) a node of a cluster job asks for: `gpus` (the job's own setting,
+    named `field` in errors), else train.nproc; 0 GPUs: a CPU job of train.nproc processes. A job
+    must say its count where train.nproc is "auto" (the submitting machine's GPUs say nothing)."""
+    if gpus is None:
+        if train.nproc == "auto":
+            raise ConfigError(f"train.nproc is auto, so a node's GPUs are unknown to the job: set {field} "
+                              "(0 for a CPU job)")
+        gpus = int(train.nproc)
+    return gpus, gpus or (1 if train.nproc == "auto" else int(train.nproc))
+
+
 def torchrun(stage: str, params: str, nproc: int, on: Nodes) -> list[str]:
     """The command that runs `stage` as `nproc` processes on each node of `on`."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]

@@ -15,33 +15,23 @@ from pathlib import Path
 
 from ..config import TrainParams
 from ..errors import ConfigError, DataError
+from . import launch
 
 COMMANDS = ("sbatch", "squeue", "scancel", "scontrol")
 RUNS = Path("runs") / "slurm"
 """Each job's script, log and exit code, under the workspace."""
 
 
-def gpus_per_node(train: TrainParams) -> int:
-    """GPUs the job asks for on each node: train.slurm.gpus_per_node, else train.nproc."""
-    if train.slurm.gpus_per_node is not None:
-        return train.slurm.gpus_per_node
-    if train.nproc == "auto":
-        raise ConfigError("train.slurm: train.nproc is auto, so the job cannot say how many GPUs a node needs; "
-                          "set train.slurm.gpus_per_node (0 for a CPU job)")
-    return int(train.nproc)
-
-
-def processes_per_node(train: TrainParams) -> int:
-    """Training processes on each node of the job: one per GPU, or train.nproc on a CPU job."""
-    gpus = gpus_per_node(train)
-    return gpus if gpus > 0 else (1 if train.nproc == "auto" else int(train.nproc))
+def per_node(train: TrainParams) -> tuple[int, int]:
+    """(GPUs, processes) on each node of the job: train.slurm.gpus_per_node, else train.nproc."""
+    return launch.per_node(train, train.slurm.gpus_per_node, "train.slurm.gpus_per_node")
 
 
 def script(stage: str, params: str, train: TrainParams, workspace: Path, log: Path, rc: Path) -> str:
     """The sbatch script: the allocation (train.nodes nodes, the GPUs, time, partition, account, any
     more options) and the stage under srun, one task a node; its exit code written to `rc`."""
     s = train.slurm
-    gpus = gpus_per_node(train)
+    gpus, _ = per_node(train)
     lines = ["#!/bin/bash", f"#SBATCH --job-name=longctx-{stage}", f"#SBATCH --nodes={train.nodes}",
              "#SBATCH --ntasks-per-node=1", f"#SBATCH --time={s.time}", f"#SBATCH --chdir={workspace}",
              f"#SBATCH --output={log}", "#SBATCH --open-mode=append"]
@@ -83,8 +73,9 @@ def run(stage: str, params: str, train: TrainParams, workspace: Path) -> int:
     if done.returncode != 0:
         raise DataError(f"sbatch {path}: {done.stderr.strip() or done.stdout.strip()}")
     job = done.stdout.strip().split(";")[0]
-    print(f"{stage}: Slurm job {job}, {train.nodes} node(s) x {processes_per_node(train)} processes "
-          f"({gpus_per_node(train)} GPUs a node); log {log}", file=sys.stderr, flush=True)
+    gpus, processes = per_node(train)
+    print(f"{stage}: Slurm job {job}, {train.nodes} node(s) x {processes} processes ({gpus} GPUs a node); log {log}",
+          file=sys.stderr, flush=True)
     shown = 0
     try:
         while True:
