@@ -1,7 +1,8 @@
 """What the FoX kernels' autotuning costs a process, and whether Triton's disk cache pays it once
 (issue 62: the FoX pipeline's eval tuned again for every new length key, up to 15 s each). Two
 processes in turn share one fresh Triton cache: `cold` tunes every length class (the kernels'
-SIZE key, one per power of two of the packed tokens), `warm` should read every choice back. Each
+SIZE key, kernel.size_class: one per power of two of the packed tokens up to 32K, one above), `warm`
+should read every choice back. Each
 length: its first call (compile, tune, run) and a second, the gap being what tuning and
 compilation cost; forward alone at the eval's packed batches, forward and backward at the
 training stages' (gpu-64k: 8 x 4K = 32K, 4 x 16K and 1 x 64K = 64K). The configuration the tuner
@@ -55,7 +56,7 @@ def measure(forward: list[int], backward: list[int], heads: int, kv_heads: int, 
                 torch.cuda.synchronize()
             seconds.append(time.perf_counter() - begin)
         chosen = {name: str(t.cache[key]) for name, t in tuners.items() for key in set(t.cache) - seen[name]}
-        rows.append({"tokens": n, "backward": grad, "size_class": n.bit_length(), "first_s": round(seconds[0], 3),
+        rows.append({"tokens": n, "backward": grad, "size_class": fk.size_class(n), "first_s": round(seconds[0], 3),
                      "second_s": round(seconds[1], 4), "tuning_s": round(seconds[0] - seconds[1], 3),
                      "chosen": chosen})
     return rows

@@ -528,6 +528,25 @@ def test_the_first_autotuned_call_is_right(monkeypatch):
     assert len(dq.configs) > 1 and len(dq.cache) == 1  # it tuned this one shape
 
 
+def test_lengths_from_32k_up_share_one_tuning_class():
+    assert [fk.size_class(n) for n in (1, 4096, 4099, 16384, 32767)] == [1, 13, 13, 15, 15]
+    assert {fk.size_class(n) for n in (32768, 65536, 1_000_003, 2**21, 2**24)} == {fk.LARGEST_CLASS}
+
+
+@pytest.mark.skipif(not CUDA, reason="autotuning times configurations on the GPU")
+def test_a_process_tunes_once_for_every_length_from_32k(monkeypatch):
+    """The eval's batches (up to 1M packed tokens) reuse the training stages' tuning: one entry
+    for 32K, 64K and 40,000 tokens, another for 16K."""
+    fwd, dq, dkdv = fk.kernels(tune=True)
+    monkeypatch.setattr(fk, "_fwd", fwd)
+    gen = torch.Generator().manual_seed(0)
+    for n in (32768, 65536, 40000, 16384):
+        q, k, v = (torch.randn(n, 2, 64, generator=gen).to(DEV, torch.bfloat16) for _ in range(3))
+        cu = torch.tensor([0, n // 3, n], dtype=torch.int32, device=DEV)
+        fk.attend(q, k, v, cu, F.logsigmoid(torch.randn(n, 2, generator=gen) + 4).to(DEV))
+    assert len(fwd.configs) > 1 and len(fwd.cache) == 2
+
+
 @triton.jit
 def _scans(X, FIRST, FORWARD, BACKWARD, N: tl.constexpr):
     i = tl.arange(0, N)

@@ -232,7 +232,7 @@ def _key_side(K, V, LAM, START, KSTART, h, q0, N, NB, GROUPS: tl.constexpr, D: t
     return K + (h // GROUPS) * D, V + (h // GROUPS) * D, LAM + h * N, lo, mid
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["SIZE"])  # (a tuning key: its value must not compile anew)
 def _fwd_kernel(Q, K, V, LAM, START, KSTART, OUT, LSE, N, NB, sq, sk, scale, SIZE,
                 GROUPS: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                 T: tl.constexpr, PREC: tl.constexpr, WIDE: tl.constexpr):
@@ -297,7 +297,7 @@ def _dq_tiles(dq, dlq, q, do, r_q, dlt, st_q, rows, kp, vp, lamk, lo, hi, sk, N,
     return dq, dlq
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["SIZE"])  # (a tuning key: its value must not compile anew)
 def _dq_kernel(Q, K, V, DO, LAM, ROW, DELTA, START, KSTART, DCOL, DQ, DLAM, N, NB, sq, sk, scale, sm_scale, SIZE,
                GROUPS: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                T: tl.constexpr, PREC: tl.constexpr, WIDE: tl.constexpr):
@@ -355,7 +355,7 @@ def _dkdv_tiles(dk, dv, dlk, k, v, lam_k, cols, qp, dop, row_p, dlt_p, START, lo
     return dk, dv, dlk
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["SIZE"])  # (a tuning key: its value must not compile anew)
 def _dkdv_kernel(Q, K, V, DO, LAM, ROW, DELTA, START, END, QEND, DK, DV, DCOL, N, NB, sq, sk, scale,
                  sm_scale, SIZE, GROUPS: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                  T: tl.constexpr, PREC: tl.constexpr, WIDE: tl.constexpr):
@@ -420,8 +420,20 @@ DQ_OPTIONS = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)
 assert all(bm % bn == 0 for bm, bn, *_ in FWD_OPTIONS + DQ_OPTIONS), "query blocks must hold whole key tiles"
 DKDV_OPTIONS = [(64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 4, 3), (32, 128, 8, 3), (64, 64, 4, 3),
                 (32, 64, 4, 3), (64, 128, 8, 1), (16, 128, 4, 3), (32, 128, 4, 2), (32, 64, 8, 3)]
-# tuned per head dim, GQA group and power-of-two length class (not per length: prompts vary)
+# tuned per head dim, GQA group and length class (not per length: prompts vary)
 KEY = ["D", "GROUPS", "SIZE", "WIDE"]
+
+LARGEST_CLASS = 16
+"""Length classes: each power of two of the packed tokens below 2**15 its own, and one for every
+length from 32,768 up. On an H200 the tuner chose the same forward, dq and dk/dv configurations
+for every class from 2**15 to 2**21 (bench/results/fox-tuning-nvidia-h200-2026-12-05), where the
+classes one by one cost a cold process 126 s of tuning, the eval's batches of up to 1M tokens the
+most (20 s at 1M alone)."""
+
+
+def size_class(n: int) -> int:
+    """The SIZE key of n packed tokens: its bit length, at most LARGEST_CLASS."""
+    return min(n.bit_length(), LARGEST_CLASS)
 
 OFFSET_LIMIT = 2**31
 """Past this many elements in q's rows (tokens x row stride) the kernels address q, k, v and their
@@ -560,7 +572,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam2: torch.Tens
     lse = torch.empty(h, n, dtype=torch.float32, device=q.device)
     _fwd[lambda meta: (triton.cdiv(n, meta["BM"]), h)](
         Q=q, K=k, V=v, LAM=lam2, START=start, KSTART=kstart, OUT=o, LSE=lse, N=n, NB=kstart.shape[1],
-        sq=q.stride(0), sk=k.stride(0), scale=sm_scale * LOG2E, SIZE=n.bit_length(), GROUPS=h // k.shape[1],
+        sq=q.stride(0), sk=k.stride(0), scale=sm_scale * LOG2E, SIZE=size_class(n), GROUPS=h // k.shape[1],
         D=d, T=TILE, PREC=_precision(q), WIDE=_wide(q, k))
     return o, lse
 
@@ -583,7 +595,7 @@ def _backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     _bwd_prep_kernel[(triton.cdiv(n, 64), h)](DO=do, OUT=o, LAM=lam2, LSE=lse, DELTA=delta, ROW=row, N=n,
                                               sq=q.stride(0), D=d, BLOCK=64, WIDE=wide, num_warps=4)
     common = dict(Q=q, K=k, V=v, DO=do, LAM=lam2, ROW=row, DELTA=delta, START=start, N=n, NB=nb, sq=q.stride(0),
-                  sk=k.stride(0), scale=sm_scale * LOG2E, sm_scale=sm_scale, SIZE=n.bit_length(), GROUPS=h // hk,
+                  sk=k.stride(0), scale=sm_scale * LOG2E, sm_scale=sm_scale, SIZE=size_class(n), GROUPS=h // hk,
                   D=d, T=TILE, PREC=_precision(q), WIDE=wide)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
