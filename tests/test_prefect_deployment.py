@@ -5,11 +5,7 @@ and the MLflow store holds its parent run with those two as children."""
 
 from __future__ import annotations
 
-import os
-import socket
 import subprocess
-import time
-import urllib.request
 
 import pytest
 import yaml
@@ -21,39 +17,9 @@ from longctx.config import merge
 pytestmark = pytest.mark.slow  # end to end through real DVC, Prefect and MLflow: `pytest -m "not slow"` skips it
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture
-def server(tmp_path):
-    port = free_port()
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "PREFECT_API_URL": f"http://127.0.0.1:{port}/api"}
-    env.pop("PREFECT_API_KEY", None)
-    proc = subprocess.Popen(["prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/api/health", timeout=2)
-            break
-        except OSError:
-            time.sleep(1)
-    else:
-        proc.kill()
-        pytest.fail("the Prefect server did not start in 120 s")
-    yield env
-    proc.terminate()
-    proc.wait(timeout=30)
-
-
-def test_deployment_run_on_a_worker(small_run, tmp_path, server):
+def test_deployment_run_on_a_worker(small_run, tmp_path, prefect_server):
     ws = tmp_path / "ws"
-    env = {**copy_workspace(small_run[0], ws, store=False), "LONGCTX_WORKSPACE": str(ws),
-           **{k: v for k, v in server.items() if k.startswith("PREFECT")}}
+    env = {**copy_workspace(small_run[0], ws, store=False), "LONGCTX_WORKSPACE": str(ws), **prefect_server}
     (ws / "params.yaml").write_text(yaml.safe_dump(merge(SMALL, {"train": {"sft": {"lr": 2e-3}}}), sort_keys=False))
     sh(["prefect", "work-pool", "create", "longctx-local", "--type", "process"], ws, env)
     sh(["prefect", "--no-prompt", "deploy", "--name", "tiny"], ws, env)

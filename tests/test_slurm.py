@@ -16,8 +16,9 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
-from conftest import SMALL, stage_env, stage_process, write_params
+from conftest import SMALL, copy_workspace, sh, stage_env, stage_process, write_params
 from longctx import config
 from longctx.errors import ConfigError
 from longctx.train import slurm
@@ -157,3 +158,60 @@ def test_a_stopped_stage_cancels_its_job_and_writes_nothing(cluster, project_cop
     state = subprocess.run(["scontrol", "show", "job", "-o", job], env=cluster, capture_output=True, text=True)
     assert "JobState=CANCELLED" in state.stdout, state.stdout + state.stderr
     assert not log.with_suffix(".rc").exists() and not (project_copy / "models" / "base").exists()
+
+
+@pytest.mark.slow
+def test_a_cancelled_flow_run_cancels_its_stages_slurm_job(cluster, small_run, tmp_path, prefect_server):
+    """`prefect flow-run cancel` (the UI's Cancel) on a deployment's flow run while its base stage is a
+    Slurm job: the job is cancelled, the flow run ends Cancelled, the base model from before is DVC's
+    to restore (`dvc checkout base`: DVC clears a stage's outputs before it runs it) and nothing
+    the job would have written is there."""
+    ws = tmp_path / "ws"
+    env = {**copy_workspace(small_run[0], ws, store=False), "LONGCTX_WORKSPACE": str(ws), **prefect_server,
+           "SLURM_CONF": cluster["SLURM_CONF"]}
+    kept = (ws / "models" / "base" / "model.safetensors").read_bytes()
+    checkpoints = set(ws.glob("runs/base/*/checkpoints/step-*"))
+    params = _params(ws, setup=["sleep 120"])   # (the job waits before its stage: cancelled while it runs)
+    (ws / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    sh(["prefect", "work-pool", "create", "longctx-local", "--type", "process"], ws, env)
+    sh(["prefect", "--no-prompt", "deploy", "--name", "tiny"], ws, env)
+    worker = subprocess.Popen(["prefect", "worker", "start", "--pool", "longctx-local", "--prefetch-seconds", "1"],
+                              cwd=ws, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        started = sh(["prefect", "deployment", "run", "longctx-pipeline/tiny"], ws, env)
+        run_id = started.split("UUID:")[1].split()[0]
+        job = _running_job(cluster, deadline=time.monotonic() + 300)
+        sh(["prefect", "flow-run", "cancel", run_id], ws, env)
+        deadline = time.monotonic() + 120
+        while (state := _job_state(cluster, job)) != "CANCELLED" and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert state == "CANCELLED", state
+        while "CANCELLED" not in (run := sh(["prefect", "flow-run", "inspect", run_id], ws, env)) \
+                and time.monotonic() < deadline:
+            time.sleep(1)
+        assert "'type': 'CANCELLED'" in run or "StateType.CANCELLED" in run, run[-2000:]
+    finally:
+        worker.terminate()
+        try:
+            worker.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+            worker.wait()
+    assert not list((ws / slurm.RUNS).glob("base-*.rc")) and set(ws.glob("runs/base/*/checkpoints/step-*")) == checkpoints
+    sh(["dvc", "checkout", "base"], ws, env)
+    assert (ws / "models" / "base" / "model.safetensors").read_bytes() == kept
+
+
+def _running_job(cluster: dict, deadline: float) -> str:
+    """The id of the first job the test cluster runs."""
+    while time.monotonic() < deadline:
+        out = subprocess.run(["squeue", "-h", "-t", "RUNNING", "-o", "%i"], env=cluster, capture_output=True, text=True)
+        if jobs := out.stdout.split():
+            return jobs[0]
+        time.sleep(0.5)
+    pytest.fail("no Slurm job started")
+
+
+def _job_state(cluster: dict, job: str) -> str:
+    out = subprocess.run(["scontrol", "show", "job", "-o", job], env=cluster, capture_output=True, text=True).stdout
+    return out.split("JobState=")[1].split()[0] if "JobState=" in out else "?"
