@@ -1,6 +1,7 @@
-"""SeqPE's claim in miniature (seed 004, issue 17): one small model shape trained the same steps on
-the same text at the same length with each position encoding — RoPE, a learned table (APE,
-clamped past its end), ALiBi, SeqPE (its regularisers and shifts on) and FoX (Pro) — then the
+"""SeqPE's claim in miniature ("Transformer with Sequential Position Encoding", 2025; issue 17): one
+small model shape trained the same steps on the same text at the same length with each position
+encoding — RoPE, a learned table (APE, clamped past its end), ALiBi, SeqPE (its regularisers and
+shifts on) and FoX (Pro) — then the
 per-position loss on long validation documents, its mean over [0, L), [L, 2L), [2L, 4L),
 [4L, 8L) and the perplexity of the first 1, 2, 4 and 8 x L tokens, L the training length; and
 each model's training tokens/s against RoPE's (the stages' own loop, eager, so SeqPE's

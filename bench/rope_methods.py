@@ -1,5 +1,5 @@
 """Every way to stretch RoPE past its window, on one base model, zero-shot and after the same
-fine-tune (issue 33; LongRoPE2's claims, seed 002). A RoPE model is trained at W on synthetic
+fine-tune (issue 33; LongRoPE2's claims, arXiv:2502.20082). A RoPE model is trained at W on synthetic
 retrieval documents and real short text (bench/tiny_retrieval.py's data and loop); each method —
 the original RoPE, PI, NTK, YaRN, ProLong's base change (theta x16) and LongRoPE2's factors,
 searched as the rope_search stage searches them (needle sequences at 4W, every baseline a seed),

@@ -183,6 +183,7 @@ def test_evaluate_one_checkpoint(small_project, tok, long_val, tmp_path):
                                                          ("passkey", 512), ("niah_single_noise", 512)]
     assert [c.endswith(report.BEYOND) for c in report.comparison(results).splitlines()[2].split(" | ")[1:3]] == [
         False, True]
+    assert "\n\\* beyond the checkpoint's window" in report.comparison(results)  # Markdown's *, not a bullet
     assert results["tasks"]["base"] == report.mean_scores(rows)
     assert results["throughput"]["base"]["prompts_per_s"] > 0 and results["throughput"]["base"]["tokens_per_s"] > 0
     assert list(results["ppl_by_length"]["base"]) == [256, 512, 2048]  # perplexity goes beyond the window

@@ -5,15 +5,29 @@ themselves are valid, each error naming the dotted key."""
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from .schema import Params
+from typing import Any, Protocol
 
 SUM_TOLERANCE = 1e-6
 
 
-def consistent(params: Params) -> None:
+class Sections(Protocol):
+    """What the checks read of schema.Params (which calls them as it validates: this module
+    imports nothing of the schema)."""
+
+    corpora: Any
+    tokenize: Any
+    pack: Any
+    model: Any
+    train: Any
+    rope_search: Any
+    eval: Any
+
+    def flat_mix(self, split: str) -> dict[str, float]: ...
+
+    def chunk_lengths(self, split: str, domain: str) -> dict[int, float]: ...
+
+
+def consistent(params: Sections) -> None:
     """Raise ValueError naming the first key that does not fit the others."""
     domains = params.corpora.domains
     for g, sub in params.pack.groups.items():

@@ -257,7 +257,7 @@ class ModelParams(Strict, Shape):
 
 
 class SeqPETraining(Strict):
-    """SeqPE's regularisers and position shifts (seed 004; the official text runs' settings),
+    """SeqPE's regularisers and position shifts (the SeqPE paper and its official text runs' settings),
     applied by the training loop to SeqPE models only."""
 
     contrastive_weight: float = Field(default=0.1, ge=0)

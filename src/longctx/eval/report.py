@@ -194,7 +194,7 @@ def comparison(results: dict) -> str:
         cells.append(f"{ret:.2f}" if ret else "n/a")
         lines.append("| " + " | ".join(cells) + " |")
     if any(beyond(windows, c, n) for c, by in means.items() for n in by):
-        lines.append(f"\n{BEYOND} beyond the checkpoint's window (the length it was trained to)")
+        lines.append(f"\n\\{BEYOND} beyond the checkpoint's window (the length it was trained to)")  # (not a bullet)
     if results.get("cells"):
         lines += ["", "Each task: score [95% interval] (prompts)", "",
                   "| checkpoint | task | " + " | ".join(f"@{n}" for n in lengths) + " |",

@@ -89,8 +89,9 @@ class LearnedPositions(BaseModel):
 
 
 class SeqPEConfig(BaseModel):
-    """SeqPE (seed 004): each position's decimal digits, left-padded to `digits`, read by a small
-    causal Transformer (`layers` x `heads`, width `dim`); its last state, projected and divided by
+    """SeqPE ("Transformer with Sequential Position Encoding", 2025): each position's decimal digits,
+    left-padded to `digits`, read by a small causal Transformer (`layers` x `heads`, width `dim`);
+    its last state, projected and divided by
     `temperature`, is the position's embedding, turned into per-head query and key parts whose
     product biases the attention logits (the paper's text models). Positions past 10^digits - 1:
     an error, or the largest (clamp)."""

@@ -1,5 +1,6 @@
 """Position encodings beside RoPE: a learned absolute table (APE), ALiBi's slopes, and SeqPE
-(seed 004: a learned encoder of each position's decimal digits, regularised to extrapolate).
+("Transformer with Sequential Position Encoding", 2025: a learned encoder of each position's
+decimal digits, regularised to extrapolate).
 
 SeqPE follows the official text models (github ghrua/seqpe, GPT-2 on WikiText-103): the digits
 are left-padded with zeros (the pad is the digit 0), a learned CLS vector is read last, the

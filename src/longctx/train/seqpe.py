@@ -1,6 +1,6 @@
-"""What training adds for SeqPE models (seed 004): random position shifts and the contrastive and
-distillation regularisers, drawn per step from a generator seeded by (seed, step) so a resumed
-run draws what an uninterrupted one would."""
+"""What training adds for SeqPE models ("Transformer with Sequential Position Encoding", 2025):
+random position shifts and the contrastive and distillation regularisers, drawn per step from a
+generator seeded by (seed, step) so a resumed run draws what an uninterrupted one would."""
 
 from __future__ import annotations
 
