@@ -20,7 +20,8 @@ from longctx import config
 from longctx.data.loader import PackedDataset
 from longctx.model import cudnn_attention
 from longctx.perf import write_result
-from longctx.train.loop import autocast, make_batch, prepare
+from longctx.train.batches import make_batch
+from longctx.train.loop import autocast, prepare
 from longctx.train.models import load_model
 from longctx.train.parallel import Parallel
 

@@ -34,7 +34,7 @@ from longctx.model.config import FoxConfig
 from longctx.model.hf import save_hf
 from longctx.model.transformer import Transformer
 from longctx.perf import write_result
-from longctx.train.loop import flop_params, peak_flops
+from longctx.train.flops import flop_params, peak_flops
 from longctx.train.models import build
 
 EVAL = config.resolve({"profile": "gpu-64k"}).eval

@@ -33,7 +33,8 @@ from longctx.config import RunParams
 from longctx.data.loader import PackedDataset
 from longctx.model.fox import reference
 from longctx.perf import write_result
-from longctx.train.loop import autocast, make_batch, mean_loss, prepare, train
+from longctx.train.batches import make_batch
+from longctx.train.loop import autocast, mean_loss, prepare, train
 from longctx.train.models import build, preset
 from longctx.train.parallel import Parallel
 

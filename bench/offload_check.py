@@ -18,7 +18,8 @@ import torch
 from longctx.config import RunParams
 from longctx.model.config import ModelConfig, RopeConfig
 from longctx.perf import prepared_as
-from longctx.train.loop import autocast, packed_batch
+from longctx.train.batches import packed_batch
+from longctx.train.loop import autocast
 from longctx.train.parallel import Parallel
 
 DEV = torch.device("cuda")

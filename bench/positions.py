@@ -30,7 +30,8 @@ from longctx.eval.plots import position_loss as plot_position_loss
 from longctx.model.attention import resolve
 from longctx.model.config import FoxConfig, LearnedPositions, ModelConfig, RopeConfig, SeqPEConfig
 from longctx.perf import write_result
-from longctx.train.loop import TrainingDiverged, flop_params, train
+from longctx.train.flops import flop_params
+from longctx.train.loop import TrainingDiverged, train
 from longctx.train.models import build
 
 ENCODINGS = {

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from bench.tiny_retrieval import Variant, fit, new_model, score_rows, task_prompts, training_data, variant_fields
-from longctx.config.schema import RopeSearchParams
+from longctx.config.eval_params import RopeSearchParams
 from longctx.data.loader import PackedDataset
 from longctx.data.shards import ShardReader
 from longctx.data.tokenizer import TextTokenizer

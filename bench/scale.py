@@ -46,7 +46,7 @@ import torch
 from longctx.model.attention import available, resolve
 from longctx.model.recompute import MODES
 from longctx.perf import measure, peak_memory, prepared, profile, write_result
-from longctx.train.loop import Batch, attention_cost, packed_batch, schedule
+from longctx.train.batches import Batch, attention_cost, packed_batch, schedule
 from longctx.train.models import preset
 from longctx.train.parallel import Parallel, close, init, with_sequence_parallel
 

@@ -47,7 +47,7 @@ from scale import documents, step_seeds  # noqa: E402  (the generated documents 
 
 from longctx.model.transformer import Transformer  # noqa: E402
 from longctx.perf import write_result  # noqa: E402
-from longctx.train.loop import attention_cost, schedule  # noqa: E402
+from longctx.train.batches import attention_cost, schedule  # noqa: E402
 from longctx.train.models import preset  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -95,7 +95,7 @@ class Shape:
                    cfg.n_layers, cfg.n_heads, cfg.n_heads * cfg.dim_head, cfg.n_kv_heads * cfg.dim_head)
 
     def flops(self, seq: int, attention: int) -> float:
-        """Model FLOPs of one sequence's forward and backward (longctx.train.loop.step_flops)."""
+        """Model FLOPs of one sequence's forward and backward (longctx.train.flops.step_flops)."""
         return 6 * self.flop_params * seq + 6 * self.layers * self.attn_dim * attention
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from longctx.config.schema import RunParams
+from longctx.config.train_params import RunParams
 from longctx.data.loader import PackedDataset, Sample
 from longctx.data.shards import ShardReader
 from longctx.data.synthetic import documents
@@ -38,7 +38,8 @@ from longctx.eval.suite import Encoder, build_prompts
 from longctx.model.config import ModelConfig, RopeConfig
 from longctx.model.decode import generate
 from longctx.perf import write_result
-from longctx.train.loop import make_batch, prepare, queue_step
+from longctx.train.batches import make_batch
+from longctx.train.loop import prepare, queue_step
 from longctx.train.models import build, load_model
 from longctx.train.optim import adamw, lr_at
 from longctx.train.parallel import Parallel

@@ -34,7 +34,7 @@ from longctx.data.loader import training_data
 from longctx.io import read_json
 from longctx.model.attention import resolve
 from longctx.perf import measure, one_document, prepared, prepared_as, profile, write_result
-from longctx.train.loop import step_batches
+from longctx.train.batches import step_batches
 from longctx.train.models import preset
 from longctx.train.parallel import Parallel, with_sequence_parallel
 

@@ -27,7 +27,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import yaml  # noqa: E402
 
-from longctx.config.schema import EvalParams  # noqa: E402
+from longctx.config.eval_params import EvalParams  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")

@@ -18,7 +18,8 @@ from longctx.model import ulysses
 from longctx.model.config import FoxConfig, ModelConfig, RopeConfig
 from longctx.model.transformer import Transformer
 from longctx.train import parallel
-from longctx.train.loop import RunParams, attention_cost, make_batch, schedule, train
+from longctx.train.batches import attention_cost, make_batch, schedule
+from longctx.train.loop import RunParams, train
 
 
 def build(arch: str) -> Transformer:

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from conftest import REPO, stage_process
 from longctx.data.loader import PackedDataset
 from longctx.model.loss import IGNORE
-from longctx.train.loop import attention_cost, make_batch, schedule
+from longctx.train.batches import attention_cost, make_batch, schedule
 
 RUNS = {"llama": ["single", "dp2", "sp2"], "fox": ["single", "sp2"]}
 
@@ -220,7 +220,7 @@ def test_a_node_that_dies_stops_the_other_and_the_stage_resumes_from_its_checkpo
 def test_sequence_parallel_groups_stay_on_a_node():
     """Ulysses' all-to-alls on NVLink, never across the network: on 2 nodes of 4 ranks a group of 4
     fits a node, a group of 8 (dividing the world and the heads) is refused, naming the field."""
-    from longctx.config.schema import StageParams
+    from longctx.config.train_params import StageParams
     from longctx.errors import ConfigError
     from longctx.train.parallel import check_layout
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import SMALL, stage_process
-from longctx.config.schema import EvalParams
+from longctx.config.eval_params import EvalParams
 from longctx.data.tokenizer import TextTokenizer
 from longctx.eval import suite
 from longctx.model.config import ModelConfig, RopeConfig

@@ -337,7 +337,8 @@ def test_training_with_acp_logs_the_pruned_fraction(small_project, tmp_path, mon
 
 
 def test_mfu_counts_the_attention_acp_executed():
-    from longctx.train.loop import attention_flops, kept_fraction, micro_flops, packed_batch, step_flops
+    from longctx.train.batches import packed_batch
+    from longctx.train.flops import attention_flops, kept_fraction, micro_flops, step_flops
 
     cfg = fox_model().cfg
     batch = packed_batch(torch.zeros(768, dtype=torch.long), torch.tensor([0, 512, 768]), torch.device("cpu"), [0])

@@ -14,7 +14,8 @@ import torch
 from longctx.model.config import FoxConfig, ModelConfig, RopeConfig
 from longctx.perf import prepared
 from longctx.train import checkpoint
-from longctx.train.loop import Batch, autocast, packed_batch
+from longctx.train.batches import Batch, packed_batch
+from longctx.train.loop import autocast
 from longctx.train.parallel import Parallel
 
 pytestmark = pytest.mark.gpu

@@ -19,7 +19,8 @@ from longctx.data.loader import Curriculum, PackedDataset
 from longctx.model.config import ModelConfig
 from longctx.model.transformer import Transformer
 from longctx.train import checkpoint
-from longctx.train.loop import RunParams, TrainingDiverged, make_batch, sample_indices, step_samples, train
+from longctx.train.batches import make_batch, sample_indices, step_samples
+from longctx.train.loop import RunParams, TrainingDiverged, train
 from longctx.train.optim import lr_at, param_groups
 
 
@@ -82,7 +83,7 @@ def test_unmasked_batches_let_a_sequences_documents_see_each_other(small_project
         a, b = model(masked.ids, masked.cu_seqlens), model(open_.ids, open_.cu_seqlens)
     torch.testing.assert_close(a[:cut], b[:cut])
     assert not torch.allclose(a[cut:], b[cut:])
-    from longctx.train.loop import step_batches
+    from longctx.train.batches import step_batches
     from longctx.train.parallel import Parallel
 
     cfg = RunParams(steps=4, lr=1e-3, micro_batch=2, document_mask=False)  # the stage's path takes the switch

@@ -231,7 +231,8 @@ def test_a_step_that_waits_on_the_device_once_updates_as_the_checked_one():
     weights and the optimizer state untouched."""
     import copy
 
-    from longctx.train.loop import TrainingDiverged, packed_batch, train_step
+    from longctx.train.batches import packed_batch
+    from longctx.train.loop import TrainingDiverged, train_step
 
     par = Parallel()
     host, device = build(small("llama"), "reference"), build(small("llama"), "reference")

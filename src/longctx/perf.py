@@ -17,19 +17,10 @@ import torch
 
 from .config import RunParams
 from .model.config import ModelConfig
+from .train.batches import Batch, packed_batch
 from .train.compiled import graphs_compiled
-from .train.loop import (
-    MATMUL_BF16_FLOPS,
-    Batch,
-    flop_params,
-    kept_fraction,
-    micro_flops,
-    packed_batch,
-    peak_flops,
-    prepare,
-    queue_step,
-    train_step,
-)
+from .train.flops import MATMUL_BF16_FLOPS, flop_params, kept_fraction, micro_flops, peak_flops
+from .train.loop import prepare, queue_step, train_step
 from .train.models import build
 from .train.optim import adamw
 from .train.parallel import Parallel

@@ -11,7 +11,6 @@ one would; within a step, sequences are ordered by attention cost (ProLong's reo
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import math
 import os
@@ -21,172 +20,28 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-import numpy as np
 import torch
 
 from ..config import RunParams
 from ..data.loader import Curriculum, PackedDataset
 from ..errors import ConfigError, LongctxError
 from ..io import clear_stale
-from ..model.config import ModelConfig
 from ..model.fox import Acp
-from ..model.fox.acp import pruned
-from ..model.loss import IGNORE, shift_labels
 from ..model.offload import HostOffload
 from ..model.transfer import to_device
 from ..model.transformer import Transformer, packed_positions
 from ..progress import progress
 from . import checkpoint
+from .batches import Batch, make_batch, step_batches
 from .compiled import compile_blocks
+from .flops import flop_params, kept_fraction, micro_flops, peak_flops
 from .optim import adamw, lr_at
 from .parallel import Parallel, check_layout, layout, sequence_parallel, shard, sharded, with_sequence_parallel
 from .seqpe import SeqPEStep
 
-PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12}
-MATMUL_BF16_FLOPS = {"H100": 790e12, "H200": 790e12}
-"""The dense bf16 matmul rate measured on these GPUs (8192^3 products on random data): the
-ceiling model FLOPs can reach, beside the datasheet peak."""
-
 
 class TrainingDiverged(LongctxError):
     """The loss became NaN or infinite; no checkpoint was written for that step."""
-
-
-@dataclass
-class Batch:
-    ids: torch.Tensor
-    cu_seqlens: torch.Tensor
-    """On the host: the model reads document lengths there without a device sync (passed as a
-    list, which FSDP's root hook does not move to the GPU as it does tensors)."""
-    labels: torch.Tensor
-    samples: list[int]
-    valid: int
-    """Tokens with a label in the whole micro-batch."""
-
-
-@functools.lru_cache(maxsize=4)
-def _epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
-    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
-
-
-def sample_indices(step: int, per_step: int, n: int, seed: int) -> list[int]:
-    """The dataset indices of one step: epochs are seeded permutations, walked in order."""
-    return [int(_epoch_order(n, seed, g // n)[g % n]) for g in range(step * per_step, (step + 1) * per_step)]
-
-
-def step_samples(data: PackedDataset | Curriculum, step: int, per_step: int, seed: int) -> list[int]:
-    """sample_indices over a split, or over the split of the curriculum phase the step is in."""
-    if not isinstance(data, Curriculum):
-        return sample_indices(step, per_step, len(data), seed)
-    k, begin = data.phase(step)
-    return [data.offsets[k] + i for i in sample_indices(step - begin, per_step, len(data.parts[k]), seed)]
-
-
-def attention_cost(cu_seqlens) -> int:
-    """The sum of squared document lengths of a packed sequence (its boundaries, an array or a
-    tensor): what its attention costs."""
-    lengths = np.diff(np.asarray(cu_seqlens, dtype=np.int64))
-    return int((lengths**2).sum())
-
-
-def schedule(samples: list[int], costs: list[int], micro_batch: int, dp: int) -> list[list[list[int]]]:
-    """Each data-parallel rank's micro-batches for one step. The step's sequences are sorted by
-    attention cost and dealt so that the micro-batches ranks run side by side cost about the
-    same (ProLong sorts the minibatches of a step by the sum of squared document lengths)."""
-    ranked = [s for _, _, s in sorted(zip(costs, range(len(samples)), samples, strict=True))]
-    per_rank: list[list[list[int]]] = [[] for _ in range(dp)]
-    slot = micro_batch * dp
-    for start in range(0, len(ranked), slot):
-        for r in range(dp):
-            per_rank[r].append(ranked[start + r * micro_batch:start + (r + 1) * micro_batch])
-    return per_rank
-
-
-def make_batch(data: PackedDataset | Curriculum, samples: list[int], device: torch.device, multiple: int = 1,
-               documents: bool = True) -> Batch:
-    """Packed sequences back to back; padded with one masked filler document to a multiple of
-    `multiple` tokens (sequence parallelism splits the tokens evenly). `documents=False`: each
-    packed sequence is one document to attention, positions and labels (the documents in it see
-    each other: ProLong's unmasked baseline)."""
-    ids, cus, labels = [], [], []
-    offset = 0
-    for i in samples:
-        s = data[i]
-        t = torch.from_numpy(s.input_ids.astype("int64"))
-        cu = torch.from_numpy(s.cu_seqlens.astype("int64") if documents else np.array([0, t.numel()]))
-        mask = None if s.loss_mask is None else torch.from_numpy(s.loss_mask.astype("int64"))
-        labels.append(shift_labels(t, cu, mask))
-        ids.append(t)
-        cus.append(cu[:-1] + offset)
-        offset += t.numel()
-    if pad := -offset % multiple:
-        ids.append(torch.zeros(pad, dtype=torch.int64))
-        labels.append(torch.full((pad,), IGNORE, dtype=torch.int64))
-        cus.append(torch.tensor([offset]))
-        offset += pad
-    cu_all = torch.cat([*cus, torch.tensor([offset])]).to(torch.int32)
-    labels = torch.cat(labels)
-    return Batch(to_device(torch.cat(ids), device), cu_all, to_device(labels, device), samples,
-                 int((labels != IGNORE).sum()))
-
-
-def step_batches(data: PackedDataset | Curriculum, step: int, cfg: RunParams,
-                 par: Parallel) -> tuple[list[int], list[Batch]]:
-    """A step's samples, and this rank's micro-batches of them on its device."""
-    samples = step_samples(data, step, cfg.micro_batch * cfg.grad_accum, cfg.seed)
-    costs = [attention_cost(data[i].cu_seqlens) for i in samples]
-    mine = schedule(samples, costs, cfg.micro_batch, par.dp)[par.dp_rank]
-    return samples, [make_batch(data, ids, par.device, par.sp, cfg.document_mask) for ids in mine]
-
-
-def packed_batch(ids: torch.Tensor, cu_seqlens: torch.Tensor, device: torch.device, samples: list[int]) -> Batch:
-    """One packed sequence of host ids and boundaries as a Batch: next-token labels within each
-    document, ids and labels on `device`, boundaries kept on the host."""
-    labels = shift_labels(ids, cu_seqlens.long())
-    return Batch(to_device(ids, device), cu_seqlens, to_device(labels, device), samples,
-                 int((labels != IGNORE).sum()))
-
-
-def flop_params(model: torch.nn.Module) -> int:
-    """Parameters that cost 6 FLOPs per token (the embedding lookup is free; a tied head is
-    counted through lm_head)."""
-    return sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
-
-
-def attention_flops(cfg: ModelConfig, batch: Batch) -> float:
-    """Causal attention's FLOPs in a forward+backward (the two matmuls of each head over each
-    document's lower triangle, three times)."""
-    lengths = (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).double()
-    return 6 * cfg.n_layers * cfg.n_heads * cfg.dim_head * float((lengths**2).sum())
-
-
-def step_flops(cfg: ModelConfig, params: int, batch: Batch, attention_kept: float = 1.0) -> float:
-    """Model FLOPs a forward+backward executes: 6 per (non-embedding) parameter per token, plus
-    causal attention, of which ACP runs only the kept tiles (`attention_kept`; 1: all of it, the
-    dense count). MFU divides executed FLOPs: counting pruned tiles printed MFUs above 1."""
-    return 6 * params * batch.ids.numel() + attention_kept * attention_flops(cfg, batch)
-
-
-def micro_flops(cfg: ModelConfig, params: int, micro: list[Batch], attention_kept: float) -> tuple[float, float]:
-    """(FLOPs executed, dense-equivalent FLOPs) of one rank's micro-batches."""
-    dense = sum(step_flops(cfg, params, b) for b in micro)
-    return dense - (1.0 - attention_kept) * sum(attention_flops(cfg, b) for b in micro), dense
-
-
-def kept_fraction(acp_counts: tuple[torch.Tensor, torch.Tensor] | list[float] | None) -> float:
-    """The fraction of causal attention tiles that ran, from ACP's (kept, total) counts (1: no
-    pruning, or no counts)."""
-    skipped = pruned(acp_counts)
-    return 1.0 if skipped is None else 1.0 - skipped
-
-
-def peak_flops(device: torch.device, table: dict[str, float] = PEAK_BF16_FLOPS) -> float | None:
-    """The device's dense bf16 rate from `table` (datasheet peaks, or MATMUL_BF16_FLOPS); None
-    for a CPU or an unknown GPU."""
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in table.items() if k in name), None)
 
 
 def autocast(model: torch.nn.Module, device: torch.device):

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import RunParams
-from ..config.schema import SeqPETraining
+from ..config.train_params import SeqPETraining
 from ..errors import ConfigError
 from ..model.positions import contrastive_batch, contrastive_loss, distillation_batch, distillation_loss
 from ..model.transformer import Transformer
