@@ -33,7 +33,7 @@ def test_regimes_are_what_they_say(results):
     assert unit["top_weight"] < 0.1 < 0.5 < peaked["top_weight"]
     assert sinks["first_token_weight"] > 0.4 > 100 * peaked["first_token_weight"]
     assert results["tiny-base"]["_inputs"] == {"tokens": 1361, "heads": [2, 2], "head_dim": 32,
-                                               "top_weight": pytest.approx(0.29, abs=0.05),
+                                               "top_weight": pytest.approx(0.18, abs=0.05),  # (the stdlib's text)
                                                "first_token_weight": pytest.approx(0.002, abs=0.01)}
     with pytest.raises(ValueError, match="regime 'trained'"):
         cudnn_grads.synthetic("trained", LENGTHS, (4, 2), 64, CPU)
