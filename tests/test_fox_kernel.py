@@ -529,15 +529,19 @@ def test_the_first_autotuned_call_is_right(monkeypatch):
     assert len(dq.configs) > 1 and len(dq.cache) == 1  # it tuned this one shape
 
 
-def test_lengths_from_32k_up_share_one_tuning_class():
+def test_lengths_from_32k_up_share_one_tuning_class(monkeypatch):
+    monkeypatch.setattr(fk, "LARGEST_CLASS", None)   # (the default: a class a power of two)
+    assert [fk.size_class(n) for n in (4096, 32768, 2**21)] == [13, 16, 22]
+    monkeypatch.setattr(fk, "LARGEST_CLASS", 16)
     assert [fk.size_class(n) for n in (1, 4096, 4099, 16384, 32767)] == [1, 13, 13, 15, 15]
-    assert {fk.size_class(n) for n in (32768, 65536, 1_000_003, 2**21, 2**24)} == {fk.LARGEST_CLASS}
+    assert {fk.size_class(n) for n in (32768, 65536, 1_000_003, 2**21, 2**24)} == {16}
 
 
 @pytest.mark.skipif(not CUDA, reason="autotuning times configurations on the GPU")
 def test_a_process_tunes_once_for_every_length_from_32k(monkeypatch):
     """The eval's batches (up to 1M packed tokens) reuse the training stages' tuning: one entry
     for 32K, 64K and 40,000 tokens, another for 16K."""
+    monkeypatch.setattr(fk, "LARGEST_CLASS", 16)
     fwd, dq, dkdv = fk.kernels(tune=True)
     monkeypatch.setattr(fk, "_fwd", fwd)
     gen = torch.Generator().manual_seed(0)

@@ -34,6 +34,16 @@ if INTERPRET:  # scans and helper calls at a fraction of the interpreter's own c
 TILE = 64
 LOG2E = 1.4426950408889634
 SCAN_BLOCK = 1024  # tokens per step of the per-head scans (prepare, d log f) on a GPU
+LARGEST_CLASS = int(os.environ.get("LONGCTX_FOX_LARGEST_CLASS", "0")) or None
+"""LONGCTX_FOX_LARGEST_CLASS=16: one length class for every length from 32,768 up (below it each
+power of two its own); unset, a class per power of two. On an H200 the tuner chose the same
+forward, dq and dk/dv configurations for every class from 2**15 to 2**21
+(bench/results/fox-tuning-nvidia-h200-2026-12-05), where tuning them class by class cost a cold
+process 126 s. Off until the CUDA tests and bench/fox_tuning.py --largest-class 16 run with it."""
+
+UNSPECIALISED = ["SIZE"] if LARGEST_CLASS else []
+"""With one class above 2**15 the SIZE key is not specialised on (a SIZE of 16, divisible by 16,
+compiled every configuration again: the 10.6 s at 32K in the H200's tuning run)."""
 
 
 def _scan_block(n: int) -> int:
@@ -232,7 +242,7 @@ def _key_side(K, V, LAM, START, KSTART, h, q0, N, NB, GROUPS: tl.constexpr, D: t
     return K + (h // GROUPS) * D, V + (h // GROUPS) * D, LAM + h * N, lo, mid
 
 
-@triton.jit(do_not_specialize=["SIZE"])  # (a tuning key: its value must not compile anew)
+@triton.jit(do_not_specialize=UNSPECIALISED)
 def _fwd_kernel(Q, K, V, LAM, START, KSTART, OUT, LSE, N, NB, sq, sk, scale, SIZE,
                 GROUPS: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                 T: tl.constexpr, PREC: tl.constexpr, WIDE: tl.constexpr):
@@ -297,7 +307,7 @@ def _dq_tiles(dq, dlq, q, do, r_q, dlt, st_q, rows, kp, vp, lamk, lo, hi, sk, N,
     return dq, dlq
 
 
-@triton.jit(do_not_specialize=["SIZE"])  # (a tuning key: its value must not compile anew)
+@triton.jit(do_not_specialize=UNSPECIALISED)
 def _dq_kernel(Q, K, V, DO, LAM, ROW, DELTA, START, KSTART, DCOL, DQ, DLAM, N, NB, sq, sk, scale, sm_scale, SIZE,
                GROUPS: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                T: tl.constexpr, PREC: tl.constexpr, WIDE: tl.constexpr):
@@ -355,7 +365,7 @@ def _dkdv_tiles(dk, dv, dlk, k, v, lam_k, cols, qp, dop, row_p, dlt_p, START, lo
     return dk, dv, dlk
 
 
-@triton.jit(do_not_specialize=["SIZE"])  # (a tuning key: its value must not compile anew)
+@triton.jit(do_not_specialize=UNSPECIALISED)
 def _dkdv_kernel(Q, K, V, DO, LAM, ROW, DELTA, START, END, QEND, DK, DV, DCOL, N, NB, sq, sk, scale,
                  sm_scale, SIZE, GROUPS: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                  T: tl.constexpr, PREC: tl.constexpr, WIDE: tl.constexpr):
@@ -423,17 +433,10 @@ DKDV_OPTIONS = [(64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 4, 3), (32, 128, 8, 
 # tuned per head dim, GQA group and length class (not per length: prompts vary)
 KEY = ["D", "GROUPS", "SIZE", "WIDE"]
 
-LARGEST_CLASS = 16
-"""Length classes: each power of two of the packed tokens below 2**15 its own, and one for every
-length from 32,768 up. On an H200 the tuner chose the same forward, dq and dk/dv configurations
-for every class from 2**15 to 2**21 (bench/results/fox-tuning-nvidia-h200-2026-12-05), where the
-classes one by one cost a cold process 126 s of tuning, the eval's batches of up to 1M tokens the
-most (20 s at 1M alone)."""
-
 
 def size_class(n: int) -> int:
     """The SIZE key of n packed tokens: its bit length, at most LARGEST_CLASS."""
-    return min(n.bit_length(), LARGEST_CLASS)
+    return min(n.bit_length(), LARGEST_CLASS or n.bit_length())
 
 OFFSET_LIMIT = 2**31
 """Past this many elements in q's rows (tokens x row stride) the kernels address q, k, v and their
