@@ -28,7 +28,7 @@ signal.signal(signal.SIGINT, lambda signum, frame: _interrupted.append(signum))
 from longctx.config import TrackingParams, load  # noqa: E402
 from longctx.errors import LongctxError  # noqa: E402
 from longctx.eval.summary import summary  # noqa: E402
-from longctx.tracking import check_store, experiment_id, tracking_uri  # noqa: E402
+from longctx.tracking.store import check_store, experiment_id, tracking_uri  # noqa: E402
 
 from .flows import StageFailed, gpu_ids, pipeline, workspace_lock  # noqa: E402
 from .server import check_api, prefect_api  # noqa: E402

@@ -39,7 +39,9 @@ from longctx.eval.report import interval_text, length_means, score_rows, verdict
 from longctx.eval.summary import summary
 from longctx.eval.tasks import family
 from longctx.io import PIPELINE_ENV, pipeline_lock
-from longctx.tracking import PARENT_ENV, end_run, open_run, tag_children, tracking_uri
+from longctx.tracking.runs import end_run, open_run, tag_children
+from longctx.tracking.store import tracking_uri
+from longctx.tracking.tracker import PARENT_ENV
 
 
 def stages_of(workspace: Path) -> list[str]:

@@ -10,10 +10,11 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from longctx import config, tracking
+from longctx import config
 from longctx.data.tokenizer import TextTokenizer
 from longctx.errors import ConfigError, DataError, LongctxError, Terminated, WorkspaceBusy
 from longctx.io import DISK_ERRNOS, REPLACED, check_room, pipeline_holder, read_json
+from longctx.tracking.store import local_folders
 
 DATA = Path("data")
 CORPORA = DATA / "corpora"
@@ -49,7 +50,7 @@ def main(name: str, run: Callable[[config.Params, Path], None],
         if launcher:
             for folder in (*writes, METRICS, PLOTS):
                 check_room(folder, 0, f"the {name} stage's outputs")
-            for folder in tracking.local_folders(cfg.tracking, Path.cwd()):
+            for folder in local_folders(cfg.tracking, Path.cwd()):
                 try:
                     check_room(folder, 0, "the MLflow store's files")
                 except DataError as e:

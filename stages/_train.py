@@ -17,7 +17,8 @@ from longctx.errors import DataError
 from longctx.io import atomic_dir, check_room, clear_stale, read_json, write_json
 from longctx.model.transformer import Transformer
 from longctx.plotting import loss_curve
-from longctx.tracking import Tracker, stage_run
+from longctx.tracking.runs import stage_run
+from longctx.tracking.tracker import Tracker
 from longctx.train.loop import mean_loss, train
 from longctx.train.models import load_model, save_model
 from longctx.train.parallel import Parallel, unshard, with_sequence_parallel

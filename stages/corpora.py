@@ -12,7 +12,7 @@ from longctx.config import Params, flat
 from longctx.data import corpora
 from longctx.data.stats import format_table
 from longctx.io import atomic_dir, write_json
-from longctx.tracking import stage_run
+from longctx.tracking.runs import stage_run
 
 from ._run import CORPORA, main
 

@@ -17,7 +17,7 @@ from longctx.errors import ConfigError, DataError
 from longctx.eval import needle, report, suite, tasks
 from longctx.eval.plots import family_figure
 from longctx.io import atomic_dir, write_json
-from longctx.tracking import stage_run
+from longctx.tracking.runs import stage_run
 
 from . import STARTED, _train
 from ._run import METRICS, PACKED, PLOTS, TOKENS, compute_device, main, tokenizer, write_csv

@@ -13,7 +13,7 @@ from longctx.data.pack import estimated_bytes, pack_all
 from longctx.data.stats import format_table, plot_proportions
 from longctx.errors import DataError
 from longctx.io import atomic_dir, check_room, read_json, write_json
-from longctx.tracking import stage_run
+from longctx.tracking.runs import stage_run
 
 from ._run import METRICS, PACKED, PLOTS, TOKENS, main, tokenizer
 

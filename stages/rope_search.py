@@ -20,7 +20,7 @@ from longctx.model.rope import hf_rope_parameters
 from longctx.plotting import notice
 from longctx.ropesearch.compare import SEARCHED, needle_sets, plot_factors, search_and_compare
 from longctx.ropesearch.space import Space
-from longctx.tracking import stage_run
+from longctx.tracking.runs import stage_run
 
 from . import _train
 from ._run import METRICS, PACKED, PLOTS, TOKENS, compute_device, main, tokenizer, write_csv

@@ -13,7 +13,7 @@ from longctx.data.stats import format_table, length_table, plot_length_hist
 from longctx.data.tokenize import tokenize_domains, training_text
 from longctx.data.tokenizer import TextTokenizer
 from longctx.io import atomic_dir, read_json, write_json
-from longctx.tracking import stage_run
+from longctx.tracking.runs import stage_run
 
 from ._run import CORPORA, METRICS, PLOTS, TOKENS, main
 

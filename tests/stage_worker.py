@@ -21,7 +21,7 @@ import traceback
 import mlflow  # noqa: F401
 import torch  # noqa: F401
 
-import longctx.tracking  # noqa: F401
+import longctx.tracking.runs  # noqa: F401
 import stages._run  # noqa: F401
 import stages._train  # noqa: F401
 

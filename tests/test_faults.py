@@ -806,7 +806,7 @@ LOSES_ITS_SERVER = """
 import os, signal, sys, time
 from pathlib import Path
 from longctx.config import TrackingParams
-from longctx.tracking import stage_run
+from longctx.tracking.runs import stage_run
 
 port, server = sys.argv[1], int(sys.argv[2])
 with stage_run(TrackingParams(uri=f"http://127.0.0.1:{port}"), Path.cwd(), "base", {"lr": 1}) as tracker:

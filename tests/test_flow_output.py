@@ -206,7 +206,7 @@ def test_the_closing_lines_serve_the_store_and_open_the_runs_table(tmp_path):
     """The command pastes where the path has spaces; the address opens the experiment's runs in the
     model-training view (MLflow 3.17 opens its GenAI overview otherwise); a server's address as is."""
     from longctx.config import TrackingParams
-    from longctx.tracking import experiment_id
+    from longctx.tracking.store import experiment_id
     from pipelines.__main__ import open_runs
 
     ws = tmp_path / "my runs" / "ws"

@@ -10,7 +10,8 @@ import sqlite3
 import pytest
 
 from longctx.config import TrackingParams
-from longctx.tracking import PARENT_ENV, end_run, open_run, stage_run
+from longctx.tracking.runs import end_run, open_run, stage_run
+from longctx.tracking.tracker import PARENT_ENV
 
 
 def test_a_moved_workspace_keeps_its_artifacts_where_it_now_is(tmp_path, monkeypatch):
@@ -70,10 +71,9 @@ def test_step_metrics_reach_the_store_together_and_every_one(tmp_path, monkeypat
     import mlflow
     from mlflow.tracking import MlflowClient
 
-    from longctx import tracking
-
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    monkeypatch.setattr(tracking, "FLUSH_SECONDS", 3600.0)  # nothing written after the first but by the end
+    # nothing written after the first but by the end
+    monkeypatch.setattr("longctx.tracking.tracker.FLUSH_SECONDS", 3600.0)
     client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
     with stage_run(TrackingParams(), tmp_path, "base", {"seed": 0}, section="train") as tracker:
         run = mlflow.active_run().info.run_id
