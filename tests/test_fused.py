@@ -13,8 +13,9 @@ import torch.nn.functional as F
 from longctx.model import fused
 from longctx.model.config import FoxConfig, ModelConfig
 from longctx.model.decode import generate_batch
+from longctx.model.norm import RMSNorm
 from longctx.model.rope import cos_sin, rotate
-from longctx.model.transformer import RMSNorm, Transformer
+from longctx.model.transformer import Transformer
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -6,7 +6,7 @@
               (keeping attention's output): the MLP half's backward comes first and runs without
               the attention half's activations, which are made again only for their own backward;
               one more forward of the attention half's projections, attention's own not run again
-              (transformer.Block). Full's working set holds both halves' at once: of the 8B shape's
+              (block.Block). Full's working set holds both halves' at once: of the 8B shape's
               step peak, the part that grows with the tokens is ~19 block inputs for FoX (Pro) under
               full, ~11 under halves; for the Transformer ~16 and ~13 (bench/block_memory.py)
   selective   keep the outputs of matmuls and attention, recompute the elementwise work between
