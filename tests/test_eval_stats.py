@@ -85,7 +85,7 @@ def test_two_runs_pair_on_the_prompts_both_asked():
 
 
 def test_two_workspaces_prompts_files_pair_without_git_or_dvc(tmp_path, capsys):
-    """bench/gpu_recipe.sh's route: each variant's reports/eval/prompts.jsonl named as it is."""
+    """scripts/gpu/recipe.sh's route: each variant's reports/eval/prompts.jsonl named as it is."""
     from longctx.eval import compare
 
     def write(name, scores):

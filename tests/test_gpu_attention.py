@@ -1,6 +1,6 @@
 """Every CUDA attention backend against the fp64 reference, forward and backward (the forget
 gate's gradient included), on random inputs and random document splits. Skipped without CUDA;
-`bench/gpu_tests.sh` runs it on the GPU machine."""
+`scripts/gpu/tests.sh` runs it on the GPU machine."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""bench/gpu_wheels.py: the wheel folder for a GPU machine without internet is the project's
+"""scripts/gpu/wheels.py: the wheel folder for a GPU machine without internet is the project's
 requirements closed over their own at the versions installed here, less what the image has."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 
 from conftest import REPO
 
-sys.path.insert(0, str(REPO / "bench"))
-import gpu_wheels  # noqa: E402
+sys.path.insert(0, str(REPO / "scripts" / "gpu"))
+import wheels as gpu_wheels  # noqa: E402
 
 
 def test_the_closure_is_what_this_install_resolved():
@@ -54,7 +54,7 @@ def test_a_folder_over_the_budget_names_its_largest_wheels(tmp_path):
 
 def test_the_import_audit_records_every_process_of_a_run(tmp_path):
     log = tmp_path / "imports.txt"
-    env = {**os.environ, "PYTHONPATH": str(REPO / "bench" / "import_audit"), "LONGCTX_IMPORT_LOG": str(log)}
+    env = {**os.environ, "PYTHONPATH": str(REPO / "scripts" / "gpu" / "import_audit"), "LONGCTX_IMPORT_LOG": str(log)}
     child = "import subprocess, sys; subprocess.run([sys.executable, '-c', 'import yaml.constructor'], check=True)"
     subprocess.run([sys.executable, "-c", f"import tomllib; {child}; import os; os._exit(0)"], env=env, check=True)
     names = log.read_text().split()

@@ -26,7 +26,7 @@ PROMPTS = "reports/eval/prompts.jsonl"
 def prompt_rows(workspace: Path, rev: str | None = None) -> list[dict]:
     """The scored prompts of the run at git revision or DVC experiment `rev` (None: the workspace
     as it is), read through DVC's cache; `rev` naming a prompts file (a `.jsonl` that exists) is
-    read as it is: runs in workspaces of their own, without git or DVC (bench/gpu_recipe.sh)."""
+    read as it is: runs in workspaces of their own, without git or DVC (scripts/gpu/recipe.sh)."""
     if rev is not None and rev.endswith(".jsonl") and Path(rev).is_file():
         return rows(Path(rev).read_text(), rev)
     import dvc.api

@@ -1,7 +1,7 @@
 """Put this folder on PYTHONPATH with LONGCTX_IMPORT_LOG=<file>: every Python process of the run
 (the main command, DVC's stages, the Prefect server) appends each top-level module it imports to
 that file as it imports it (a server killed at the end has written its own already).
-bench/gpu_wheels.py --imports keeps only the distributions a real run imported, so the GPU
+scripts/gpu/wheels.py --imports keeps only the distributions a real run imported, so the GPU
 machine's wheel folder holds what the pipeline needs and not every optional backend its
 requirements declare (a Postgres driver, Redis, a Databricks SDK)."""
 

@@ -4,7 +4,7 @@
 # pack where it changes pack's params), runs pretrain, sft and eval, and every variant's scored prompts are
 # paired with the first variant's (python -m longctx.eval.compare: a sign test, 95%, per checkpoint and
 # length). The stages run as `python -m stages.<name>` (no DVC, Prefect or MLflow: tracking off).
-#   OUT=... bash bench/gpu_recipe.sh name:key=value,... ...      (carry .whl)
+#   OUT=... bash scripts/gpu/recipe.sh name:key=value,... ...      (carry .whl)
 # name@parent: a variant of sft and eval alone, on its parent's pretrained checkpoints (linked once the parent's
 # pretrain finished: no second pretrain), its overrides merged over the parent's and paired with the parent's.
 # key: stageN.field for the Nth pretrain stage (stage2.steps=120), or a dotted params path merged over the
@@ -16,13 +16,12 @@
 # (each variant's tables and its verdicts against the first), times.txt and recipe.tar.gz (every variant's
 # params, logs, metrics/eval.json, comparison.md and scored prompts).
 set -uo pipefail
-out=$(realpath -m "${OUT:-bench/results/recipe}")
+[ $# -gt 0 ] || { echo "usage: recipe.sh name:key=value,... ..." >&2; exit 2; }
+source scripts/gpu/env.sh || exit 1   # (and copy_project, results_dir)
+out=$(realpath -m "${OUT:-$(results_dir recipe)}")
 work=$(realpath -m "${WORK:-bench/work/recipe}")
 logs=$work/logs
 mkdir -p "$out" "$logs"
-[ $# -gt 0 ] || { echo "usage: gpu_recipe.sh name:key=value,... ..." >&2; exit 2; }
-source bench/gpu_env.sh || exit 1
-source bench/gpu_diag_lib.sh   # copy_project
 profile=${PROFILE:-gpu-64k}
 t0=$(date +%s)
 killtree() { local c; for c in $(pgrep -P "$1"); do killtree "$c"; done; kill -TERM "$1" 2>/dev/null; }
@@ -98,7 +97,7 @@ variant() {  # name, overrides, parent (or empty)
 report() {  # summary.md and recipe.tar.gz from the variants that finished
 first=${names[0]}
 {
-  echo "# bench/gpu_recipe.sh: $profile, $(date -u +%F), ${REV:-$(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo "?")}"
+  echo "# scripts/gpu/recipe.sh: $profile, $(date -u +%F), ${REV:-$(git -C "$project" rev-parse --short HEAD 2>/dev/null || echo "?")}"
   echo; echo "COMMON: ${COMMON:-none}"; echo
   for v in "${variants[@]}"; do echo "- ${v%%:*}: ${v#*:}"; done
   echo; echo '```'; cat "$out/times.txt"; echo '```'

@@ -10,23 +10,23 @@
 # with the final table), mlflow.db, outputs.tar.gz (dvc.lock, params.yaml, and metrics/, plots/, reports/
 # and mlartifacts/ without checkpoints), dvc_status.log, pipeline_eval_changed.log, stage_bench.log and the
 # stage bench's JSON (AGAIN=resume: pipeline_resumed.log too).
-#   bash bench/gpu_pipeline.sh [llama|fox]      # fox: the FoX (Pro) + ACP variant, same data and tokens
+#   bash scripts/gpu/pipeline.sh [llama|fox]      # fox: the FoX (Pro) + ACP variant, same data and tokens
 # SET="train.pretrain.factors=search ...": params changed over the profile's (dotted keys, YAML values).
 # AGAIN=1: only what follows the main command, in the workspace the last call left (a second device call made
 # while the machine is still warm, when the first had no time left for it); AGAIN=resume: the main command
 # again first (DVC skips the finished stages, a training stage goes on from its last checkpoint).
 # PROFILE: another profile (tiny: the same steps on a CPU). LIMIT: seconds for the whole script (default
 # 594, what run 13 ran under in a 600 s call; the main command gets what is left, then 10 s to stop).
-# Carry .whl (bench/gpu_wheels.py) where the image lacks DVC, Prefect and MLflow.
+# Carry .whl (scripts/gpu/wheels.py) where the image lacks DVC, Prefect and MLflow.
 set -uo pipefail
 variant=${1:-llama}
 limit=${LIMIT:-594}
 begin=$(date +%s)
-out=$(realpath -m "${OUT:-bench/results/pipeline-gpu}")
+source scripts/gpu/env.sh || exit 1
+out=$(realpath -m "${OUT:-$(results_dir pipeline-gpu)}")
 mkdir -p "$out"
-source bench/gpu_env.sh || exit 1
-SITE=$([ -d /tmp/site ] && echo /tmp/site)   # where gpu_env.sh installed the carried wheels
-command -v git dvc >/dev/null || { echo "gpu_pipeline: git and dvc are needed on PATH" >&2; exit 1; }
+SITE=$([ -d /tmp/site ] && echo /tmp/site)   # where env.sh installed the carried wheels
+command -v git dvc >/dev/null || { echo "pipeline.sh: git and dvc are needed on PATH" >&2; exit 1; }
 ws=/tmp/longctx-ws-${NAME:-$variant}   # NAME: another workspace for the same variant
 [ "$variant" = fox ] && export TRITON_PRINT_AUTOTUNING=1   # what each FoX kernel tuning costs, in the stages' logs
 left() { echo $(( limit - ($(date +%s) - begin) )); }
@@ -44,19 +44,16 @@ run_main() {  # the main command in what is left of the time, its output appende
   collect
 }
 if [ -n "${AGAIN:-}" ]; then   # a second call on the still-warm machine, in the first call's workspace
-  case $AGAIN in 1|resume) ;; *) echo "gpu_pipeline: AGAIN=$AGAIN: give 1 or resume" >&2; exit 2 ;; esac
-  [ -f "$ws/dvc.yaml" ] || { echo "gpu_pipeline: AGAIN: no workspace at $ws (the machine was released)" >&2; exit 1; }
-  [ "$AGAIN" = resume ] || [ -f "$ws/dvc.lock" ] || { echo "gpu_pipeline: AGAIN=1: $ws has no finished run" >&2; exit 1; }
+  case $AGAIN in 1|resume) ;; *) echo "pipeline.sh: AGAIN=$AGAIN: give 1 or resume" >&2; exit 2 ;; esac
+  [ -f "$ws/dvc.yaml" ] || { echo "pipeline.sh: AGAIN: no workspace at $ws (the machine was released)" >&2; exit 1; }
+  [ "$AGAIN" = resume ] || [ -f "$ws/dvc.lock" ] || { echo "pipeline.sh: AGAIN=1: $ws has no finished run" >&2; exit 1; }
   cd "$ws" && export PYTHONPATH=$ws/src:$ws${SITE:+:$SITE} && status=0
   if [ "$AGAIN" = resume ]; then   # the first call's main command ran out of time: the same command goes on
     run_main "$out/pipeline_resumed.log" " (resumed)"
     [ "$status" = 0 ] || exit "$status"
   fi
 else
-rm -rf "$ws" && mkdir -p "$ws"
-# the project as a clone has it: everything but what runs make or carry (.gitignore'd), as a new repository
-tar --exclude=./.git --exclude=./.whl --exclude=./data --exclude=./bench/work --exclude=./bench/results \
-    --exclude=./metrics --exclude=./plots --exclude=./mlflow.db --exclude=./mlartifacts -cf - . | tar -xf - -C "$ws"
+copy_project "$ws"   # (made a new repository below)
 cd "$ws" || exit 1
 export PYTHONPATH=$ws/src:$ws${SITE:+:$SITE}   # the workspace's code, not the carried tree's
 sed -i "s/^profile: .*/profile: ${PROFILE:-gpu-64k}/" params.yaml

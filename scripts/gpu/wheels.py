@@ -1,13 +1,13 @@
 """The wheel folder a GPU machine without internet needs to run the pipeline (issue 32): the
 project's requirements closed over their own, at the versions this machine's install resolved,
 less what the GPU image already has, as wheels for the image's Python, within the device's carry
-limit. bench/gpu_env.sh installs the folder on the GPU machine.
+limit. scripts/gpu/env.sh installs the folder on the GPU machine.
 
-    python3 bench/gpu_wheels.py --freeze > bench/gpu_image.txt     # on the GPU machine: what it has
-    python bench/gpu_wheels.py --image bench/gpu_image.txt --out .whl   # here, with internet
+    python3 scripts/gpu/wheels.py --freeze > scripts/gpu/image.txt     # on the GPU machine: what it has
+    python scripts/gpu/wheels.py --image scripts/gpu/image.txt --out .whl   # here, with internet
 
 With --imports, only the distributions a real run imported from (record one with
-bench/import_audit: `PYTHONPATH=bench/import_audit LONGCTX_IMPORT_LOG=imports.txt python -m pipelines`).
+scripts/gpu/import_audit: `PYTHONPATH=scripts/gpu/import_audit LONGCTX_IMPORT_LOG=imports.txt python -m pipelines`).
 Packages that ship no wheel are built here (`pip wheel`, pure Python). --without drops a top-level
 requirement the run does not import (lm-eval, with every package only it needs) when the folder
 would not fit otherwise.
@@ -94,11 +94,11 @@ def lacking(needed: dict[str, str], have: dict[str, str]) -> dict[str, str]:
 
 def imported(wanted: dict[str, str], log: Path) -> dict[str, str]:
     """Of `wanted`, the distributions a real run imported from: `log` lists top-level module names
-    (bench/import_audit/sitecustomize.py records them in every process of a run). A requirement's
+    (scripts/gpu/import_audit/sitecustomize.py records them in every process of a run). A requirement's
     optional backends (a Postgres driver, Redis, cloud SDKs) are declared but never imported."""
     modules = set(log.read_text().split())
     if not modules:
-        raise SystemExit(f"{log}: no module names in it: run the pipeline with bench/import_audit first")
+        raise SystemExit(f"{log}: no module names in it: run the pipeline with scripts/gpu/import_audit first")
     owners = md.packages_distributions()  # (a scan of every installed distribution: once)
     used = {canonicalize_name(d) for m in modules for d in owners.get(m, [])}
     return {name: version for name, version in wanted.items() if name in used}
@@ -165,7 +165,7 @@ def main() -> None:
     ap.add_argument("--image", type=Path, help="the GPU image's packages, as --freeze printed them there")
     ap.add_argument("--out", type=Path, default=Path(".whl"))
     ap.add_argument("--without", nargs="*", default=[], help="top-level requirements to leave out")
-    ap.add_argument("--imports", type=Path, help="top-level modules a run imported (bench/import_audit): "
+    ap.add_argument("--imports", type=Path, help="top-level modules a run imported (scripts/gpu/import_audit): "
                     "only the distributions they come from")
     ap.add_argument("--budget-mib", type=float, help="MiB the wheels may take (default: 64 less the working tree)")
     args = ap.parse_args()
@@ -174,7 +174,7 @@ def main() -> None:
             print(f"{canonicalize_name(dist.metadata['Name'])}=={dist.version}")
         return
     if args.image is None:
-        ap.error("--image: the GPU image's package list (bench/gpu_wheels.py --freeze, run there)")
+        ap.error("--image: the GPU image's package list (scripts/gpu/wheels.py --freeze, run there)")
     wanted = lacking(closure(without=tuple(args.without)), read_freeze(args.image))
     if args.imports:
         kept = imported(wanted, args.imports)
