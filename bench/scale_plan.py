@@ -51,8 +51,8 @@ from longctx.train.batches import attention_cost, schedule  # noqa: E402
 from longctx.train.models import preset  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-CALIBRATION = RESULTS / "scale-2gpu-64k-full-steady-2gpu-nvidia-h200-2026-11-28.json"
-CHECK = RESULTS / "scale-4gpu-64k-full-steady-4gpu-nvidia-h200-2026-11-28.json"
+CALIBRATION = RESULTS / "scale" / "scale-2gpu-64k-full-steady-2gpu-nvidia-h200-2026-11-28.json"
+CHECK = RESULTS / "scale" / "scale-4gpu-64k-full-steady-4gpu-nvidia-h200-2026-11-28.json"
 STATE_BYTES = 16
 """A parameter's bytes in the shards: fp32 master, AdamW's two fp32 moments, the fp32 gradient."""
 BLOCK_COLLECTIVES = 3

@@ -22,7 +22,8 @@ import pytest
 from conftest import REPO
 from pipelines.__main__ import mlflow_ui, runs_page
 
-STORE = REPO / "bench/results/pipeline-gpu-nvidia-h100-2026-11-27/llama-run9/mlflow.db.gz"  # gzipped for the carry
+# gzipped for the carry
+STORE = REPO / "bench/results/pipeline-gpu/pipeline-gpu-nvidia-h100-2026-11-27/llama-run9/mlflow.db.gz"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync"]

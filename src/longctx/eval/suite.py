@@ -165,7 +165,7 @@ def inference_weights(model: Transformer) -> Transformer:
     stay fp32): the residual stream, norms and rotary tables then compute in bf16, as training's
     bf16 compute weights had them (train/precision.py). fp32 weights under autocast kept them in
     fp32: such elementwise kernels took >= 15% of a 64K prefill's GPU time, 44% at 4K
-    (bench/results/eval-throughput-nvidia-h200-2026-12-03). LONGCTX_EVAL_WEIGHTS=fp32 keeps
+    (bench/results/eval-throughput/eval-throughput-nvidia-h200-2026-12-03). LONGCTX_EVAL_WEIGHTS=fp32 keeps
     those. In place; returns the model."""
     if WEIGHTS not in ("bf16", "fp32"):
         raise ConfigError(f"LONGCTX_EVAL_WEIGHTS={WEIGHTS!r}: give bf16 or fp32")

@@ -45,7 +45,7 @@ share of its own length. A forked prompt's rest attends over all its keys throug
 FlashAttention-2, 1.46x slower than cuDNN at 64K: by the FLOPs of attention (72% of the 64K
 prefill) and of the per-token layers, a prompt sharing under ~45% of itself would cost more than
 prefilled whole. At 4K prompts (FlashAttention-2 either way) forking measured 0.95x, at 16K-64K
-1.07-1.09x (bench/results/eval-throughput-nvidia-h200-2026-12-03)."""
+1.07-1.09x (bench/results/eval-throughput/eval-throughput-nvidia-h200-2026-12-03)."""
 
 
 def attend_cached(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lam_q: torch.Tensor | None,

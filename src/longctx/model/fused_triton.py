@@ -4,7 +4,7 @@ Eager PyTorch spends a kernel and a round trip through memory on every step of R
 square, mean, rsqrt, scale, cast, gain), of the rotary embedding on the strided per-head view
 (slice, negate, concatenate, two products, a sum) and of SwiGLU's gate (silu, product): at the
 eval's 4K prompts those took ~44% of the prefill's GPU time, at 64K ~15%
-(bench/results/eval-throughput-nvidia-h200-2026-12-03, the profile's kernel table). Each kernel
+(bench/results/eval-throughput/eval-throughput-nvidia-h200-2026-12-03, the profile's kernel table). Each kernel
 here reads its inputs once, computes in fp32 and writes once.
 """
 

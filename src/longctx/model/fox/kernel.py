@@ -38,7 +38,7 @@ LARGEST_CLASS = int(os.environ.get("LONGCTX_FOX_LARGEST_CLASS", "0")) or None
 """LONGCTX_FOX_LARGEST_CLASS=16: one length class for every length from 32,768 up (below it each
 power of two its own); unset, a class per power of two. On an H200 the tuner chose the same
 forward, dq and dk/dv configurations for every class from 2**15 to 2**21
-(bench/results/fox-tuning-nvidia-h200-2026-12-05), where tuning them class by class cost a cold
+(bench/results/fox-tuning/fox-tuning-nvidia-h200-2026-12-05), where tuning them class by class cost a cold
 process 126 s. Off until the CUDA tests and bench/fox_tuning.py --largest-class 16 run with it."""
 
 UNSPECIALISED = ["SIZE"] if LARGEST_CLASS else []
@@ -414,7 +414,7 @@ TUNING_CACHE = os.environ.get("LONGCTX_FOX_TUNING_CACHE", "1") == "1"
 """Tunings kept on disk across processes (each pipeline stage is one: the SFT stage then tunes
 nothing, FoX pipeline run 4); LONGCTX_FOX_TUNING_CACHE=0 tunes again in every process. On since the
 CUDA gradient tests (tests/test_fox_kernel.py) passed with it over 6 processes sharing one cache on
-an H200 (bench/results/gpu-tests-nvidia-h200-2026-11-28): a first call that reads a cached choice
+an H200 (bench/results/gpu-tests/gpu-tests-nvidia-h200-2026-11-28): a first call that reads a cached choice
 skips the tuning launches that issue 31's wrong d log f lived in."""
 
 # fwd and dq: BM in {64, 128} (query blocks start on a TILE) and a multiple of BN (the unmasked key
