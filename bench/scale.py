@@ -27,7 +27,7 @@ Reported per setting: tokens/s/GPU, MFU of the executed FLOPs (over the datashee
 measured bf16 matmul rate; ACP's skipped tiles not counted, their dense-equivalent rate apart), peak
 memory per GPU and of the host process, the steps' losses, compile time and graphs, and for FoX with
 ACP the pruned tile fraction; the timed steps' draws and their density (the documents' squared
-lengths over seq^2: the Transformer's attention follows it, bench/attention_draws.py). Compare runs
+lengths over seq^2: the Transformer's attention follows it, docs/benchmarks.md). Compare runs
 at 1, 2, 4, 8 GPUs (the JSON holds the world size) for scaling efficiency. ProLong's anchor
 (Table 15): 8B at 64K on 8 x H100 with FSDP, 2770 tokens/s/GPU (full attention) and 3095
 (variable-length attention + minibatch reordering).

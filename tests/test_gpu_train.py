@@ -137,7 +137,7 @@ def test_prepared_offload_moves_the_block_inputs_and_changes_nothing():
     gradients are the plain run's (the first H100 run offloaded nothing: "cuda" != "cuda:0").
     Gradients compare by each parameter's relative error: bf16 kernels that add in another order
     part elementwise (an H200 failed an elementwise check at 41% of the embedding's entries, the
-    offload correct: bench/offload_check.py gives 0.6% by norm for every variant, plain or not)."""
+    offload correct: offload_check gave 0.6% by norm for every variant, plain or not; docs/benchmarks.md)."""
     from longctx.config import RunParams
     from longctx.perf import prepared_as
 

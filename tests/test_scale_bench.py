@@ -39,7 +39,7 @@ def test_two_ranks_report_every_setting_and_match_one_process(tmp_path):
     assert rows["sp"]["sp"] == 2 and rows["fsdp"]["sp"] == 1
     for r in rows.values():
         assert r["tokens_per_s_per_gpu"] > 0 and len(r["losses"]) == 1 + 2 * 1  # warm-up, isolated, queued
-        assert r["timed_draws"] == [2]  # (the queued step's documents: bench/attention_draws.py reads it)
+        assert r["timed_draws"] == [2]  # (the queued step's documents: its draw, whose density the row gives)
         assert r["attention"] == ("fox" if r["model"] == "FoX (Pro)" else "sdpa")
     sys.path.insert(0, str(REPO / "bench"))
     from scale import density, documents
@@ -113,34 +113,6 @@ def test_fit_takes_two_steps_and_says_it_fits(tmp_path):
     (row,) = data["rows"]
     assert row["fits"] is True and len(row["losses"]) == 2 and "tokens_per_s_per_gpu" not in row
     assert 5.9 < row["losses"][0] < 6.6  # ln(vocab 512) = 6.24 at initialisation: a real step ran
-
-
-def test_block_memory_lists_what_is_live_at_the_peak_by_site():
-    """bench/block_memory.py's reading of a CUDA allocator trace: the live set at the largest sum
-    (not at the last event), frees taken off, each allocation named by its innermost longctx frame
-    and marked when a compiled graph made it."""
-    sys.path.insert(0, str(REPO / "bench"))
-    from block_memory import by_site, live_at_peak
-
-    ours = {"filename": "/x/src/longctx/model/transformer.py", "line": 7, "name": "_residual"}
-    graph = {"filename": "/tmp/torchinductor_root/ab/cab.py", "line": 3, "name": "call"}
-    torch_frame = {"filename": "/usr/lib/torch/nn/functional.py", "line": 9, "name": "linear"}
-    events = [{"action": "alloc", "addr": 1, "size": 100, "frames": [torch_frame, ours]},
-              {"action": "alloc", "addr": 2, "size": 50, "frames": [graph, ours]},
-              {"action": "free_requested", "addr": 1, "size": 100},  # (not yet reusable)
-              {"action": "alloc", "addr": 3, "size": 30, "frames": []},
-              {"action": "free_completed", "addr": 1, "size": 100},
-              {"action": "free_completed", "addr": 3, "size": 30},
-              {"action": "alloc", "addr": 4, "size": 60, "frames": [torch_frame]},
-              {"action": "free_completed", "addr": 9, "size": 5}]  # (allocated before the trace: not counted)
-    peak, live = live_at_peak(events)
-    assert peak == 180
-    sites = {s["site"]: (s["gib"], s["tensors"]) for s in by_site(live)}
-    assert set(sites) == {"transformer.py:7 _residual", "compiled graph <- transformer.py:7 _residual",
-                          "(no Python frame) 30 block inputs"}
-    later = events + [{"action": "alloc", "addr": 5, "size": 90, "frames": [ours]}]  # 50 + 60 + 90 live
-    peak, live = live_at_peak(later)
-    assert peak == 200 and sorted(size for size, _ in live) == [50, 60, 90]
 
 
 def test_scaling_sets_the_mfu_ratio_beside_the_throughput_ratio():

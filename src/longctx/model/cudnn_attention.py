@@ -29,7 +29,7 @@ CALL_WORK = 2**34
 """A document takes a cuDNN call of its own when its causal attention, length^2 x heads x head
 dim (the heads of a rank), is at least this; below it a call's fixed costs (the host loop, its
 output and gradients copied into place) lose to FlashAttention-2's one call over every short document. On an H200
-(bench/cudnn_routing.py, 2026-11-29, fwd + bwd, equal documents), cuDNN's time over FA2's: 1.10
+(cudnn_routing in docs/benchmarks.md, 2026-11-29, fwd + bwd, equal documents), cuDNN's time over FA2's: 1.10
 at 4,096 tokens x 12 heads x 64 (1.3e10), 0.98 at 2,048 x 32 x 128 (1.7e10), 0.78-0.79 at
 8,192 x 12 x 64 and 4,096 x 16 x 128 (3.4e10-5.2e10), 0.56-0.67 from 16K tokens; at 1,024 tokens
 (every document a call, the old rule) 1.6-10.6. The gpu-64k product's 4K stages ran at 0.5-0.65x
@@ -119,8 +119,8 @@ def _private(t: torch.Tensor) -> torch.Tensor:
     builds the output's gradient strides into the backward graph. F.scaled_dot_product_attention
     (which picks cuDNN on Hopper) hands it a gradient of another layout than our [L, H, D] rows:
     on q/k/v of one key, whichever built the graph first got right gradients and the other wrong
-    ones (issue 32's -0.17 cosine: bench/backend_grads.py ran sdpa first; bench/cudnn_grads.py
-    --shared-keys shows both orders). The batch holds one entry, so its stride addresses nothing."""
+    ones (issue 32's -0.17 cosine: backend_grads ran sdpa first; cudnn_grads --shared-keys showed
+    both orders: docs/benchmarks.md). The batch holds one entry, so its stride addresses nothing."""
     return t.as_strided(t.shape, (t.numel() + 8, *t.stride()[1:]))
 
 

@@ -8,7 +8,7 @@
               one more forward of the attention half's projections, attention's own not run again
               (block.Block). Full's working set holds both halves' at once: of the 8B shape's
               step peak, the part that grows with the tokens is ~19 block inputs for FoX (Pro) under
-              full, ~11 under halves; for the Transformer ~16 and ~13 (bench/block_memory.py)
+              full, ~11 under halves; for the Transformer ~16 and ~13 (block_memory, docs/benchmarks.md)
   selective   keep the outputs of matmuls and attention, recompute the elementwise work between
               them (norms, activations, gates, RoPE, casts): most of full's memory saving on
               elementwise tensors, little of its compute
