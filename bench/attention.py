@@ -18,7 +18,7 @@ layer's heads side by side, H of them taken evenly. Targets (ratios to fa2, same
 at 4K and <= 1.3 at 16K; fox_acp <= 0.9 at 16K and <= 0.5 at 64K. The same ratios to cudnn are
 printed and written beside them.
 
-    python bench/attention.py --out bench/results      # on a CUDA machine
+    python bench/attention.py      # on a CUDA machine
 """
 
 from __future__ import annotations
@@ -194,7 +194,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="print each kernel's time for fox and fox_acp, no table")
     ap.add_argument("--wide", action="store_true", help="fox and fox_acp with the 64-bit offsets of sequences past "
                     "2**31 elements of q, at every length (what they cost: this run beside one without)")
-    ap.add_argument("--out", type=Path, default=Path("bench/results"))
+    ap.add_argument("--out", type=Path, default=Path("bench/results/attention"),
+                   help="folder of the JSON (<benchmark>-<device>-<date>.json)")
     args = ap.parse_args()
     if args.wide:
         fox_kernel.OFFSET_LIMIT = 0

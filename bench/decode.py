@@ -5,7 +5,7 @@ weights (speed does not depend on them). Each new token attends through the Trit
 (fox/decode.py), and through the plain PyTorch path beside it (LONGCTX_DECODE=math) with --modes.
 Reports prefill ms, decode tokens/s and FoX / Transformer ratios.
 
-    python bench/decode.py --out bench/results      # on a CUDA machine
+    python bench/decode.py      # on a CUDA machine
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ def main() -> None:
     ap.add_argument("--contexts", nargs="+", type=int, default=[16384, 65536])
     ap.add_argument("--modes", nargs="+", default=["kernel", "math"], choices=["kernel", "math"])
     ap.add_argument("--steps", type=int, default=32)
-    ap.add_argument("--out", type=Path, default=Path("bench/results"))
+    ap.add_argument("--out", type=Path, default=Path("bench/results/decode"),
+                   help="folder of the JSON (<benchmark>-<device>-<date>.json)")
     args = ap.parse_args()
     rows = []
     with torch.no_grad():

@@ -13,7 +13,7 @@ that begin alike together), without bf16 weights (fp32 ones under autocast: suit
 or without the fused RMSNorm, rotary and SwiGLU kernels (model/fused.py; its prefill timed too), in
 the same run, and compares their answers.
 
-    python bench/eval_throughput.py --tokenizer data/tokens/tokenizer --out bench/results
+    python bench/eval_throughput.py --tokenizer data/tokens/tokenizer
 """
 
 from __future__ import annotations
@@ -133,7 +133,8 @@ def timed(answer: suite.Answerer, enc: suite.Encoder, prompts, encoded, budget: 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokenizer", type=Path, required=True)
-    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--out", type=Path, default=Path("bench/results/eval-throughput"),
+                       help="folder of the JSON (<benchmark>-<device>-<date>.json)")
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 16384, 32768, 65536])
     parser.add_argument("--per-task", type=int, default=4, help="prompts per task and length")
     parser.add_argument("--batch-tokens", type=int, default=65536, help="ours: prompt tokens a batch")

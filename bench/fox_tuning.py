@@ -9,7 +9,7 @@ training stages' (gpu-64k: 8 x 4K = 32K, 4 x 16K and 1 x 64K = 64K). The configu
 chose for each class is recorded: where one choice holds across classes, a coarser key would tune
 fewer times.
 
-    python bench/fox_tuning.py --out bench/results/fox-tuning-nvidia-h200-2026-12-04
+    python bench/fox_tuning.py
 """
 
 from __future__ import annotations
@@ -84,7 +84,8 @@ def main(argv: list[str] | None = None) -> dict:
                     "from 32K up; unset: one a power of two)")
     ap.add_argument("--runs", nargs="*", default=["cold", "warm"], help="processes in turn on one fresh cache")
     ap.add_argument("--child", type=Path, help=argparse.SUPPRESS)  # (one process's rows go to this file)
-    ap.add_argument("--out", type=Path, default=Path("bench/results"))
+    ap.add_argument("--out", type=Path, default=Path("bench/results/fox-tuning"),
+                   help="folder of the JSON (<benchmark>-<device>-<date>.json)")
     a = ap.parse_args(argv)
     shape = dict(heads=a.heads, kv_heads=a.kv_heads, dim=a.dim, doc=a.doc)
     if a.child:

@@ -4,7 +4,7 @@ autotuning configuration, compiled on this machine: Triton lowers each kernel to
 inner loop, which costs time; shared memory past the chip's limit makes a configuration fail to
 launch (the autotuner then skips it). Timing still needs bench/attention.py on the GPU.
 
-    python bench/kernel_resources.py --out bench/results       # sm_90: H100 / H200
+    python bench/kernel_resources.py       # sm_90: H100 / H200
 """
 
 from __future__ import annotations
@@ -102,7 +102,8 @@ def main() -> None:
     ap.add_argument("--first", action="store_true", help="only each kernel's first (untuned default) option")
     ap.add_argument("--wide", action="store_true", help="the 64-bit offsets variants (sequences past 2**31 "
                     "elements of q) rather than the 32-bit ones")
-    ap.add_argument("--out", type=Path, default=Path("bench/results"))
+    ap.add_argument("--out", type=Path, default=Path("bench/results/kernel-resources"),
+                   help="folder of the JSON (<benchmark>-<device>-<date>.json)")
     args = ap.parse_args()
     for d in args.dims:
         if d < 16 or d & (d - 1):

@@ -4,7 +4,7 @@ optimizer steps of the 125M shape (12 x 768, heads of 64) as the training stages
 (one document), for every backend that runs each; and the peak memory of a 64K-token step with
 the chunked loss against the plain one (full logits).
 
-    python bench/model_step.py --out bench/results      # on a CUDA machine
+    python bench/model_step.py      # on a CUDA machine
 """
 
 from __future__ import annotations
@@ -39,8 +39,9 @@ def loss_memory(chunked: bool, tokens: int) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path, default=Path("bench/results"))
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=Path("bench/results/model-step"),
+                   help="folder of the JSON (<benchmark>-<device>-<date>.json)")
     args = ap.parse_args()
     par = Parallel(device=torch.device("cuda"))
     rows = []

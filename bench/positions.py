@@ -8,7 +8,7 @@ each model's training tokens/s against RoPE's (the stages' own loop, eager, so S
 regularisers and the other encodings run alike). A model whose training diverges is reported so
 and scored at its last good step. Writes the table as JSON and the per-position loss as a plot.
 
-    python bench/positions.py --data data/packed/stage2 --out bench/results     # GPU (CPU works)
+    python bench/positions.py --data data/packed/stage2     # GPU (CPU works)
 """
 
 from __future__ import annotations
@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--eval-docs", type=int, default=8)
     ap.add_argument("--models", nargs="*", choices=list(ENCODINGS), default=list(ENCODINGS))
     ap.add_argument("--work", type=Path, default=Path("bench/work/positions"), help="run folders (checkpoints)")
-    ap.add_argument("--out", type=Path, default=Path("bench/results"))
+    ap.add_argument("--out", type=Path, default=Path("bench/results/positions"),
+                   help="folder of the JSON (<benchmark>-<device>-<date>.json)")
     ap.add_argument("--anomaly", action="store_true", help="autograd anomaly detection: a NaN made in a backward "
                     "operation stops training and names that operation (its forward's stack goes to stderr)")
     args = ap.parse_args(argv)

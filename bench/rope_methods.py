@@ -13,7 +13,7 @@ held-out long documents (short-context retention). Writes the JSON and a figure;
 and the issue's targets (LongRoPE2 after fine-tuning >= every baseline on needle perplexity at 4W
 and passkey at 8W, its short-text loss within 1% of the best baseline's), per seed.
 
-    python -m bench.rope_methods --long data/packed/stage2/train --prompts 8 --out bench/results   # GPU
+    python -m bench.rope_methods --long data/packed/stage2/train --prompts 8   # GPU
 (in a workspace whose corpora, tokenize and pack stages ran with the tiny profile: its stage-2 split holds
 documents of 8W = 4,096 tokens; the bench trains on none of them, so either part is held out)
 """
@@ -238,7 +238,8 @@ def main() -> None:
     ap.add_argument("--chars-per-token", type=float, default=3.0, help="sizes the fine-tune's longest documents")
     ap.add_argument("--search", nargs="*", default=[], metavar="FIELD=VALUE", help="rope_search params")
     ap.add_argument("--prompts", type=int, default=16, help="prompts per task and length")
-    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--out", type=Path, default=Path("bench/results/rope-methods"),
+                   help="folder of the JSON (<benchmark>-<device>-<date>.json)")
     ap.add_argument("--merge", type=Path, nargs="+", metavar="JSON",
                     help="results of the same settings, one seed each (processes run side by side): one JSON, "
                          "figure and table of them all in --out")
@@ -268,21 +269,19 @@ def main() -> None:
     partial_file: Path | None = None
 
     def partial(seed_so_far: dict) -> None:  # a run stopped by its time limit keeps what it measured
-        nonlocal partial_file
-        if args.out:  # (named by its seeds: processes running one seed each may share --out)
-            name = "rope_methods-partial-seed" + "-".join(map(str, args.seeds))
-            partial_file = write_result(args.out, name, fields | {"results": results + [seed_so_far]}, device_name,
-                                        quiet=True)
+        nonlocal partial_file  # (named by its seeds: processes running one seed each may share --out)
+        name = "rope_methods-partial-seed" + "-".join(map(str, args.seeds))
+        partial_file = write_result(args.out, name, fields | {"results": results + [seed_so_far]}, device_name,
+                                    quiet=True)
 
     for seed in args.seeds:
         results.append(one_seed(seed, args, tok, readers, long, device, partial))
     print(table(results, w))
-    if args.out:  # one process a seed: `--merge` joins them
-        name = "rope_methods" + ("" if len(args.seeds) > 1 else f"-seed{args.seeds[0]}")
-        path = write_result(args.out, name, fields | {"results": results}, device_name)
-        plot(results, w, path.with_suffix(".png"))
-        if partial_file is not None:
-            partial_file.unlink()
+    name = "rope_methods" + ("" if len(args.seeds) > 1 else f"-seed{args.seeds[0]}")  # (one a seed: --merge)
+    path = write_result(args.out, name, fields | {"results": results}, device_name)
+    plot(results, w, path.with_suffix(".png"))
+    if partial_file is not None:
+        partial_file.unlink()
 
 
 SAME = ("device", "window", "base", "tune", "chars_per_token", "search", "prompts")

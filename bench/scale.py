@@ -4,7 +4,7 @@ them (the loop's own `prepare` and `train_step`: FSDP2 with bf16 weights over fp
 activation checkpointing, compiled blocks on CUDA, the chunked loss, document-masked attention).
 Launch with torchrun, one process per GPU:
 
-    torchrun --standalone --nproc-per-node 2 bench/scale.py --out bench/results
+    torchrun --standalone --nproc-per-node 2 bench/scale.py
 
 Settings (--settings):
   fsdp       Llama-3-8B shape, --fsdp-seq tokens (64K) per sequence, --accum sequences per rank
@@ -238,7 +238,8 @@ def main() -> None:
     ap.add_argument("--no-compile", action="store_true", help="eager blocks (compiled is the default on CUDA)")
     ap.add_argument("--attention", default="auto", help="the Transformer's attention backend (auto: cuDNN on Hopper)")
     ap.add_argument("--tag", default="", help="appended to the result file's name")
-    ap.add_argument("--out", type=Path, default=Path("bench/results"))
+    ap.add_argument("--out", type=Path, default=Path("bench/results/scale"),
+                   help="folder of the JSON (<benchmark>-<device>-<date>.json)")
     ap.add_argument("--compare", type=Path, nargs="+", help="JSON results of runs at several GPU counts: "
                     "print the scaling efficiency, and sequence parallelism against FSDP, and exit")
     args = ap.parse_args()

@@ -6,7 +6,7 @@ before greedy answers come right). The training is the stages' math in fp32 on a
 CPU's path), so a GPU runs many variants side by side, one process each, far faster than the
 2-core machine the tiny profile is timed on; `train_s` here is the GPU's, not that machine's.
 
-    python bench/tiny_retrieval.py --tokens data/tokens --variants tiny d128 --parallel 2 --out bench/results
+    python bench/tiny_retrieval.py --tokens data/tokens --variants tiny d128 --parallel 2
 
 `--tokens`: a tokenize stage's output (its tokenizer and the --text domains' shards). Findings:
 bench/tiny_retrieval_notes.md.
@@ -378,7 +378,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16, help="prompts per task and length")
     ap.add_argument("--parallel", type=int, default=1, help="variants run side by side (processes)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads per process (0: torch's default)")
-    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--out", type=Path, default=Path("bench/results/tiny-retrieval"),
+                   help="folder of the JSON (<benchmark>-<device>-<date>.json)")
     args = ap.parse_args()
     try:
         overrides = variant_fields(args.set)
@@ -399,8 +400,7 @@ def main() -> None:
             cells = "  ".join(f"{n}: {row[f'nll_{n}']:.2f} / {row[f'passkey_{n}']:.2f} / "
                               f"{row[f'niah_single_noise_{n}']:.2f}" for n in args.lengths)
             print(f"{r['variant']:>12} {row['tokens']:>10,}  {cells}")
-    if args.out:
-        write_result(args.out, "tiny_retrieval", {"results": results}, None if torch.cuda.is_available() else "cpu")
+    write_result(args.out, "tiny_retrieval", {"results": results}, None if torch.cuda.is_available() else "cpu")
 
 
 if __name__ == "__main__":

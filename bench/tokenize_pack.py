@@ -184,6 +184,8 @@ def main() -> None:
     parser.add_argument("--scales", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--workers", type=int, default=os.cpu_count())
     parser.add_argument("--work", type=Path, default=ROOT / "bench" / "work")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "tokenize-pack",
+                        help="folder of the JSON (<benchmark>-<device>-<date>.json)")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -249,10 +251,10 @@ def main() -> None:
         "rows": rows,
         "targets": {"time_ratio_max": 1.25, "rss_growth_max": 1.2, "worst_time_ratio": worst, "rss_growth": growth},
     }
-    out = ROOT / "bench" / "results" / f"tokenize_pack-cpu{os.cpu_count()}-{result['date']}.json"
+    out = args.out / f"tokenize_pack-cpu{os.cpu_count()}-{result['date']}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out.relative_to(ROOT)}")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -8,13 +8,13 @@ Table 6: 27k / 38k = 0.71 on 4 x L40S); and with --profile, where one step's GPU
 where the GPU waited. Steps are timed as the loop runs them (each read after the next is queued),
 beside isolated steps (the device drained before and after each).
 
-    python bench/train_throughput.py --out bench/results      # on a CUDA machine
+    python bench/train_throughput.py      # on a CUDA machine
 
 With --workspace, the other way round: each training stage of a workspace the pipeline ran in, timed
 here with its own model, loop settings and packed data, beside the tokens/s its run logged (issue 32:
 the pipeline runs at the fast path's speed).
 
-    python bench/train_throughput.py --workspace <ws> --out bench/results
+    python bench/train_throughput.py --workspace <ws>
 """
 
 from __future__ import annotations
@@ -45,8 +45,9 @@ SETTINGS = [("fox-125m", 16384, "none", (False, True)), ("fox-760m", 16384, "non
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path, default=Path("bench/results"))
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=Path("bench/results/train-throughput"),
+                   help="folder of the JSON (<benchmark>-<device>-<date>.json)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--profile", action="store_true", help="add one profiled step's GPU time by kernel kind")
     ap.add_argument("--only", nargs="*", help="shapes to run (default all)")
