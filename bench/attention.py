@@ -1,4 +1,4 @@
-"""FoX attention on one GPU (bench/fox_kernel_notes.md): forward + backward ms (gradients of q, k, v
+"""FoX attention on one GPU (docs/kernel.md): forward + backward ms (gradients of q, k, v
 and, for FoX, log f) at T in {4K, 16K, 64K}, D in {64, 128}, heads x D = 2048, bf16, batch 1, for
   fa2         F.scaled_dot_product_attention(is_causal=True) on its FlashAttention-2 backend: the
               yardstick of the targets (the issue's and the FoX paper's)

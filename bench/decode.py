@@ -1,4 +1,4 @@
-"""Greedy decoding speed on one GPU (bench/fox_kernel_notes.md): the model's own KV-cache path
+"""Greedy decoding speed on one GPU (docs/kernel.md): the model's own KV-cache path
 (`model/decode.py`: the prompt through the attention backend, then one token at a time) at 16K
 and 64K tokens of context, Transformer beside FoX (Pro), 125M and 760M shapes, bf16, random
 weights (speed does not depend on them). Each new token attends through the Triton decode kernel

@@ -288,7 +288,7 @@ SAME = ("device", "window", "base", "tune", "chars_per_token", "search", "prompt
 """What results must share to be merged: the model, the recipe and the scoring."""
 
 
-def merge(files: list[Path], out: Path | None) -> None:
+def merge(files: list[Path], out: Path) -> None:
     """One result of several runs' seeds, checked to come from the same settings."""
     if out is None:
         raise SystemExit("--merge: give --out, the folder of the merged JSON and figure")

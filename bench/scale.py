@@ -1,4 +1,4 @@
-"""Scale-out training throughput (bench/training_speed_notes.md): full optimizer steps of a large
+"""Scale-out training throughput (docs/training-speed.md): full optimizer steps of a large
 shape over all ranks with FSDP2, and with Ulysses sequence parallelism, as the training stages run
 them (the loop's own `prepare` and `train_step`: FSDP2 with bf16 weights over fp32 masters, AdamW,
 activation checkpointing, compiled blocks on CUDA, the chunked loss, document-masked attention).

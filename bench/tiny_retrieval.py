@@ -9,7 +9,7 @@ CPU's path), so a GPU runs many variants side by side, one process each, far fas
     python bench/tiny_retrieval.py --tokens data/tokens --variants tiny d128 --parallel 2
 
 `--tokens`: a tokenize stage's output (its tokenizer and the --text domains' shards). Findings:
-bench/tiny_retrieval_notes.md.
+docs/retrieval.md.
 """
 
 from __future__ import annotations

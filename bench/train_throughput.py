@@ -1,4 +1,4 @@
-"""Training throughput on one GPU (work log: bench/training_speed_notes.md): full optimizer steps as
+"""Training throughput on one GPU (docs/training-speed.md): full optimizer steps as
 the training stages run them (the loop's own `prepare` and `train_step`: bf16 compute copies over
 fp32 masters, fused AdamW, the chunked loss, compiled blocks), eager beside compiled, for the 125M
 and 760M shapes, Llama-style, FoX (Pro) and FoX (Pro) with ACP (forget gates at their

@@ -109,7 +109,7 @@ class StageParams(RunParams):
     curriculum: list[Phase] = Field(default_factory=list)
     """Splits trained on before `split`, each for its steps (counted in `steps`), under the same
     optimizer and learning-rate schedule: gpu-64k's base learns retrieval on short documents
-    first, then across its window (bench/tiny_retrieval_notes.md)."""
+    first, then across its window (docs/retrieval.md)."""
     val_sequences: PositiveInt = 64
     """Validation sequences scored at the end (of `split`)."""
 

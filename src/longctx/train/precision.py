@@ -5,7 +5,7 @@ to its master's fp32 gradient as soon as backward finishes with it, so micro-bat
 in fp32 and no bf16 gradient outlives its layer. The arithmetic is FSDP2's
 MixedPrecisionPolicy(bf16, fp32) in a world of one (parallel.py), without its per-block hooks,
 collectives and copies: compiled steps at 16K tokens on an H200 took 3-5% less time for the
-Transformers and 7-19% less for FoX (Pro) with ACP (bench/training_speed_notes.md)."""
+Transformers and 7-19% less for FoX (Pro) with ACP (docs/training-speed.md)."""
 
 from __future__ import annotations
 
