@@ -84,10 +84,11 @@ def tracked(cfg: Params, root: Path, name: str, par: Parallel) -> Iterator[Track
 
 
 def fit(name: str, stage: StageParams, model: Transformer, init: str, tracker, plot: Path,
-        par: Parallel) -> tuple[Transformer, dict]:
+        par: Parallel, shown: tuple[Tracker, ...] = ()) -> tuple[Transformer, dict]:
     """Train one stage (resuming if a run of it was interrupted) on every rank; write its loss
-    curve to `plot` (CSV, a DVC plot); return the trained model, whole on every rank, and its
-    summary."""
+    curve to `plot` (CSV, a DVC plot) and its figure `train_<stage>.png` (a curriculum stage's by
+    its split: `train_stage1.png`) to its run and the `shown` runs; return the trained model,
+    whole on every rank, and its summary."""
     train_data, val_data = training_data(PACKED, stage), PackedDataset(PACKED / stage.split / "val")
     folder = run_folder(name, stage, model, init)
     if par.main:
@@ -115,7 +116,9 @@ def fit(name: str, stage: StageParams, model: Transformer, init: str, tracker, p
         ends = np.cumsum([p.steps for p in stage.curriculum])  # where each phase hands over to the next
         marks = {int(end): f"then {split}"
                  for end, split in zip(ends, [p.split for p in stage.curriculum[1:]] + [stage.split], strict=False)}
-        tracker.figure(lambda: loss_curve(rows, f"{name}: training loss", val, marks), f"{plot.stem}.png")
+        for run in (tracker, *shown):
+            run.figure(lambda: loss_curve(rows, f"{name}: training loss", val, marks),
+                       f"train_{name.removeprefix('pretrain_')}.png")
     return model, summary
 
 

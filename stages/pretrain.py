@@ -53,9 +53,10 @@ def run(cfg: Params, root: Path) -> None:
             else:
                 rope = None
             model = with_positions(model, rope, max(window, model.cfg.max_position_embeddings))
-            with tracker.nested(f"pretrain_{stage.split}", {"longctx.curriculum": stage.split}) as stage_tracker:
+            # (named split first: MLflow's runs table cuts names at ~12 characters)
+            with tracker.nested(f"{stage.split} (pretrain)", {"longctx.curriculum": stage.split}) as stage_tracker:
                 model, summary = _train.fit(f"pretrain_{stage.split}", stage, model, origin, stage_tracker,
-                                            PLOTS / "pretrain" / f"{stage.split}.csv", par)
+                                            PLOTS / "pretrain" / f"{stage.split}.csv", par, shown=(tracker,))
             tracker.metrics({f"{stage.split}.{k}": v for k, v in summary.items()})
             # the next stage's run folder depends on these weights (runs name them by params)
             origin = f"{origin}>{stage.model_dump_json()}"

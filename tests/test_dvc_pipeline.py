@@ -53,18 +53,24 @@ def test_every_stage_runs_through_dvc_and_is_tracked(finished):
     assert exp.tags["mlflow.experimentKind"] == "custom_model_development"  # the UI opens its runs, not GenAI
     (parent,) = client.search_runs([exp.experiment_id], filter_string="tags.`longctx.stage` = 'pipeline'")
     runs = {r.info.run_name: r for r in client.search_runs([exp.experiment_id]) if r.info.run_id != parent.info.run_id}
-    curriculum = {"pretrain_stage1", "pretrain_stage2"}  # nested in pretrain's run, each its own curve
+    curriculum = {"stage1 (pretrain)", "stage2 (pretrain)"}  # nested in pretrain's run, each its own curve
     assert set(runs) == set(STAGES) | curriculum
+    assert len({name[:12] for name in runs}) == len(runs)  # told apart where MLflow's runs table cuts names
     assert parent.info.status == "FINISHED"  # the flow run's parent: every stage's run is its child
     assert all(runs[s].data.tags["mlflow.parentRunId"] == parent.info.run_id for s in STAGES)
     assert runs["sft"].data.tags["dvc.lock_md5"] and runs["sft"].data.tags["git.commit"]
     for name in curriculum:
         assert runs[name].data.tags["mlflow.parentRunId"] == runs["pretrain"].info.run_id
-        assert runs[name].data.tags["longctx.curriculum"] == name.removeprefix("pretrain_")
+        split = name.split()[0]
+        assert runs[name].data.tags["longctx.curriculum"] == split
+        assert {f"train_{split}.png", f"{split}.csv"} <= {a.path for a in client.list_artifacts(runs[name].info.run_id)}
         history = client.get_metric_history(runs[name].info.run_id, "train/loss")
         assert [m.step for m in history] == list(range(1, len(history) + 1))
         assert runs[name].data.metrics["train/final.val_loss"] > 0
-    final = runs["pretrain_stage2"].data.metrics["train/final.val_loss"]
+    final = runs["stage2 (pretrain)"].data.metrics["train/final.val_loss"]
+    # pretrain's run shows each curriculum stage's loss figure too
+    shown = {a.path for a in client.list_artifacts(runs["pretrain"].info.run_id)}
+    assert {"train_stage1.png", "train_stage2.png"} <= shown
     assert runs["pretrain"].data.metrics["train/stage2.val_loss"] == final
     assert not client.get_metric_history(runs["pretrain"].info.run_id, "train/loss")  # no zig-zag of two curves
     assert all(r.info.status == "FINISHED" for r in runs.values())

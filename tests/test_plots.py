@@ -1,6 +1,7 @@
 """Figures a person reads at a glance: the NIAH grid writes every cell's score and has a colour
-scale, overlapping score lines stay visible and say when they coincide, and the factor plot says
-when the searched factors are a baseline's."""
+scale, overlapping score lines stay visible and say when they coincide, the factor plot says
+when the searched factors are a baseline's, and the loss curve shows its trend over the steps'
+noise with the legend off the data."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import numpy as np
 import pytest
 
 from longctx.eval.plots import family_figure, niah_figure, niah_heatmap, position_figure, score_figure
+from longctx.plotting import SMOOTHING, loss_curve
 from longctx.ropesearch.compare import SEARCHED, factors_figure
 from longctx.ropesearch.space import Space
 
@@ -116,3 +118,22 @@ def test_score_points_carry_their_intervals_as_bars():
     (_, lo, _, hi), (_, lo2, _, hi2) = (np.ravel(seg) for seg in bars[0].get_segments())
     assert (lo, hi, lo2, hi2) == pytest.approx((0.3, 0.7, 0.1, 0.5))
     assert "95% intervals" in ax.get_title()
+
+
+def test_the_loss_curve_draws_its_mean_over_the_steps_and_keeps_the_legend_off_the_axes():
+    """Each step's loss swings 0.1-4.5 on the tiny run: the running mean first and on top, the steps
+    faint beneath, the legend outside the axes (inside, it covered the curve)."""
+    noisy = [0.1, 4.5] * 30
+    fig = loss_curve([{"step": i + 1, "loss": v} for i, v in enumerate(noisy)], "pretrain_stage1", 2.0,
+                     {40: "then stage2"})
+    ax = fig.axes[0]
+    mean, steps = ax.get_lines()[:2]
+    assert mean.get_label() == f"train loss ({SMOOTHING}-step mean)" and steps.get_label() == "train loss (each step)"
+    assert mean.get_zorder() > steps.get_zorder() and mean.get_linewidth() > 2 * steps.get_linewidth()
+    assert steps.get_alpha() <= 0.3
+    assert mean.get_ydata()[0] == 0.1 and mean.get_ydata()[-1] == pytest.approx(2.3)  # from step 1: fewer steps
+    assert ax.get_legend() is None and len(fig.legends) == 1
+    fig.canvas.draw()
+    legend, axes = fig.legends[0].get_window_extent(), ax.get_window_extent()
+    assert legend.x0 >= axes.x1  # beside the axes, covering none of the curve
+    assert [t.get_text() for t in fig.legends[0].get_texts()][:2] == [mean.get_label(), steps.get_label()]

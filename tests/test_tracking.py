@@ -95,3 +95,35 @@ def test_step_metrics_reach_the_store_together_and_every_one(tmp_path, monkeypat
         tracker.metrics({"loss": 8.0}, step=2)  # kept, then written at the parent's end
     assert [(m.step, m.value) for m in client.get_metric_history(stage, "train/loss")] == [(1, 1.0), (2, 2.0), (3, 3.0)]
     assert sorted((m.step, m.value) for m in client.get_metric_history(parent, "train/loss")) == [(1, 9.0), (2, 8.0)]
+
+
+def test_a_dvc_experiments_stages_are_children_of_one_run_named_after_it(tmp_path, monkeypatch):
+    """DVC sets DVC_EXP_NAME in each stage of a `dvc exp run`: the first stage makes the
+    experiment's run, the later ones join it, and it ends as the stage that ran last did; under
+    the Prefect pipeline (its parent run set) no experiment run is made."""
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("DVC_EXP_NAME", "bulky-lynx")
+    monkeypatch.setenv("DVC_EXP_BASELINE_REV", "abc123")
+    cfg = TrackingParams()
+    with stage_run(cfg, tmp_path, "pack", {"seed": 0}):
+        pass
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("longctx").experiment_id
+    (parent,) = client.search_runs([experiment], filter_string="tags.`longctx.stage` = 'experiment'")
+    assert parent.info.run_name == "bulky-lynx" and parent.info.status == "FINISHED"
+    assert parent.data.tags["dvc.experiment"] == "bulky-lynx" and parent.data.tags["dvc.baseline_rev"] == "abc123"
+    with pytest.raises(RuntimeError), stage_run(cfg, tmp_path, "eval", {"seed": 0}):
+        assert client.get_run(parent.info.run_id).info.status == "RUNNING"  # while a stage of it runs
+        raise RuntimeError("eval failed")
+    runs = {r.info.run_name: r for r in client.search_runs([experiment])}
+    assert set(runs) == {"bulky-lynx", "pack", "eval"}
+    assert all(runs[s].data.tags["mlflow.parentRunId"] == parent.info.run_id for s in ("pack", "eval"))
+    assert runs["bulky-lynx"].info.status == "FAILED" and runs["eval"].info.status == "FAILED"
+    pipeline = open_run(cfg, tmp_path, "pipeline", "pipeline")
+    monkeypatch.setenv(PARENT_ENV, pipeline)
+    with stage_run(cfg, tmp_path, "sft", {"seed": 0}):
+        pass
+    (sft,) = client.search_runs([experiment], filter_string="attributes.run_name = 'sft'")
+    assert sft.data.tags["mlflow.parentRunId"] == pipeline
+    assert len(client.search_runs([experiment], filter_string="tags.`longctx.stage` = 'experiment'")) == 1

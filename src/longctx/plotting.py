@@ -43,22 +43,31 @@ def notice(path: Path, title: str, text: str) -> None:
     save(fig, path)
 
 
+SMOOTHING = 20
+"""Steps in the loss curve's running mean."""
+
+
 def loss_curve(rows: list[dict], title: str, val_loss: float | None = None, marks: dict[int, str] | None = None):
-    """A training stage's loss by step (each step faint, a 20-step mean over it), its final
-    validation loss and `marks` (step: label, e.g. where a curriculum changes split): what a person
-    opens first to see whether a run trained."""
+    """A training stage's loss by step: the mean of the last SMOOTHING steps drawn first and on
+    top, each step's loss faint beneath it (it swings 0.1-4.5 on the tiny run), its final
+    validation loss and `marks` (step: label, e.g. where a curriculum changes split), the legend
+    beside the axes: what a person opens first to see whether a run trained."""
     import numpy as np
 
-    fig, ax = pyplot().subplots(figsize=(7, 4.2))
+    fig, ax = pyplot().subplots(figsize=(9, 4.2), layout="constrained")
     steps = np.array([r["step"] for r in rows], dtype=float)
     loss = np.array([r["loss"] for r in rows], dtype=float)
-    ax.plot(steps, loss, color="tab:blue", alpha=0.3, linewidth=0.8, label="train loss (each step)")
-    if len(loss) >= 20:
-        ax.plot(steps[19:], np.convolve(loss, np.ones(20) / 20, mode="valid"), color="tab:blue",
-                label="train loss (20-step mean)")
+    # each step's mean over itself and the SMOOTHING - 1 before it (fewer at the start)
+    mean = np.convolve(loss, np.ones(SMOOTHING))[:len(loss)] / np.minimum(np.arange(1, len(loss) + 1), SMOOTHING) \
+        if len(loss) else loss
+    ax.plot(steps, mean, color="tab:blue", linewidth=2.2, zorder=3, label=f"train loss ({SMOOTHING}-step mean)")
+    ax.plot(steps, loss, color="tab:blue", alpha=0.25, linewidth=0.7, zorder=2, label="train loss (each step)")
     if val_loss is not None and len(steps):
-        ax.plot([steps[-1]], [val_loss], "o", color="tab:red", label=f"validation loss {val_loss:.3f}")
+        ax.plot([steps[-1]], [val_loss], "o", color="tab:red", zorder=4, label=f"validation loss {val_loss:.3f}")
     for step, label in (marks or {}).items():
         ax.axvline(step, color="0.4", linestyle="--", linewidth=1, label=label)
-    labels(ax, "step", "loss (nats/token)", title)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title(title)
+    fig.legend(loc="outside right upper", fontsize=8)
     return fig

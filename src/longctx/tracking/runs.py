@@ -1,5 +1,6 @@
-"""The runs: a stage's (a child of the pipeline's run when the Prefect flow starts it), the
-pipeline's parent run, and the ends of both, including those of runs whose process died."""
+"""The runs: a stage's (a child of the pipeline's run when the Prefect flow starts it, of the
+experiment's under `dvc exp run`), the pipeline's parent run, and the ends of both, including
+those of runs whose process died."""
 
 from __future__ import annotations
 
@@ -54,9 +55,31 @@ def run_tags(root: Path, stage: str) -> dict[str, str]:
     tags = {"longctx.stage": stage, PROCESS_TAG: f"{socket.gethostname()}:{os.getpid()}"}
     if commit := git_commit(root):
         tags["git.commit"] = commit
-    if os.environ.get("DVC_EXP_NAME"):
-        tags["dvc.experiment"] = os.environ["DVC_EXP_NAME"]
+    if os.environ.get(EXPERIMENT_ENV):
+        tags["dvc.experiment"] = os.environ[EXPERIMENT_ENV]
     return tags
+
+
+EXPERIMENT_ENV = "DVC_EXP_NAME"
+"""The experiment's name, which DVC 3 sets (with DVC_EXP_BASELINE_REV) in every stage a `dvc exp
+run` runs, in the workspace, a temporary copy or the queue (dvc/repo/experiments/queue/base.py)."""
+
+
+def experiment_run(client, experiment: str, root: Path) -> str | None:
+    """The parent run of the DVC experiment this stage runs in, named after it and made by its
+    first stage (None outside `dvc exp run`): the experiment's stages are its children, as the
+    main command's are the flow run's. RUNNING while a stage runs, tagged with that stage's process
+    (end_orphans fails it if the process dies), then ending as the stage did."""
+    name = os.environ.get(EXPERIMENT_ENV)
+    if not name:
+        return None
+    tags = run_tags(root, "experiment") | {"dvc.baseline_rev": os.environ.get("DVC_EXP_BASELINE_REV", "")}
+    query = f"tags.`longctx.stage` = 'experiment' and tags.`dvc.experiment` = '{name}'"
+    for found in client.search_runs([experiment], filter_string=query, max_results=1):
+        client.update_run(found.info.run_id, "RUNNING")
+        client.set_tag(found.info.run_id, PROCESS_TAG, tags[PROCESS_TAG])
+        return found.info.run_id
+    return client.create_run(experiment, run_name=name, tags=tags).info.run_id
 
 
 @contextlib.contextmanager
@@ -71,10 +94,11 @@ def stage_run(cfg: TrackingParams, root: Path, stage: str, params: dict[str, Any
 
     exp_id = experiment_id(cfg, root)
     end_orphans(mlflow.MlflowClient(), exp_id)
-    # under the Prefect pipeline each stage is a child of the pipeline run's MLflow run
-    parent = os.environ.get(PARENT_ENV)
+    # a child of the Prefect pipeline's run, else of the DVC experiment's
+    experiment = None if os.environ.get(PARENT_ENV) else experiment_run(mlflow.MlflowClient(), exp_id, root)
+    parent = os.environ.get(PARENT_ENV) or experiment
     mlflow.start_run(experiment_id=exp_id, run_name=stage, tags=run_tags(root, stage), parent_run_id=parent)
-    with ending(Tracker(mlflow, section or stage)) as tracker:
+    with ending(Tracker(mlflow, section or stage, mirror=experiment)) as tracker:
         items = [(k, str(v)[:MAX_PARAM_CHARS]) for k, v in params.items()]
         for i in range(0, len(items), 100):
             tracker.params(dict(items[i:i + 100]))

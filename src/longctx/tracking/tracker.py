@@ -26,11 +26,16 @@ class Tracker:
     tokens/s is `pack/tokens_per_s`, training's `train/tokens_per_s` in every training stage), and
     MLflow's chart view groups each section."""
 
-    def __init__(self, mlflow=None, section: str | None = None):
+    def __init__(self, mlflow=None, section: str | None = None, mirror: str | None = None):
         if mlflow is not None and not section:
             raise ValueError("a recording tracker needs the section its metric keys go under")
         self._mlflow = mlflow
         self.section = section
+        self.mirror = mirror
+        """A parent run that ends as this run does (a DVC experiment's: it ends as its last stage did)."""
+        active = mlflow.active_run() if mlflow is not None else None
+        self.run = active.info.run_id if active else None
+        """The run it records to (figures go there even while a nested run is the active one)."""
         self._steps: list = []
         """Per-step metrics not yet written (mlflow Metric entries, with their run)."""
         self._flushed = 0.0
@@ -82,10 +87,12 @@ class Tracker:
         self._record("log_text", text, name)
 
     def figure(self, make: Callable[[], Any], name: str) -> None:
-        """A figure (`make` builds it, only when recording) as an image artifact `name`."""
+        """A figure (`make` builds it, only when recording) as an image artifact `name` of this
+        tracker's run, also while a run nested in it is active (pretrain's shows each curriculum
+        stage's loss)."""
         if not self._mlflow or _store_lost:
             return
-        log_figure(lambda fig: self._record("log_figure", fig, name), make)
+        log_figure(lambda fig: self._record(lambda: self._mlflow.MlflowClient().log_figure(self.run, fig, name)), make)
 
     def params(self, values: dict[str, str]) -> None:
         self._record("log_params", values)
@@ -93,6 +100,8 @@ class Tracker:
     def end(self, status: str) -> None:
         self.flush()
         self._record("end_run", status)
+        if self.mirror:
+            self._record(lambda: self._mlflow.MlflowClient().set_terminated(self.mirror, status))
 
     @contextlib.contextmanager
     def nested(self, name: str, tags: dict[str, str]) -> Iterator[Tracker]:
