@@ -402,14 +402,14 @@ def _sweep_table(ws: Path, grid: dict[str, list], exps: list[dict]) -> tuple[str
     details = []
     for e in exps:
         values = [str(_lookup(e["params"], k)) for k in keys]
-        means = e["metrics"].get("metrics/eval.json", {}).get("means") or {}
+        means = _eval_results(ws, e.get("rev")).get("means") or {}
         score = "n/a"
         if means:
             last, by = list(means.items())[-1]
             longest = max(by, key=int)
             score = f"{last} @{longest}: {interval_text(by[longest]['mean'], by[longest])}"
-        pre = e["metrics"].get("metrics/pretrain.json", {})
-        val = [v.get("val_loss") for v in pre.values() if isinstance(v, dict)]
+        losses = e["metrics"].get("metrics.json", {}).get("val_loss", {})  # (the headline's)
+        val = [v for c, v in losses.items() if c.startswith("pretrain_")]
         versus = "n/a (HEAD has no eval run)" if base is None else "n/a (no eval run)"
         if base is not None and e.get("rev"):
             paired = compare.paired_runs(compare.prompt_rows(ws, e["rev"]), base)
@@ -420,6 +420,17 @@ def _sweep_table(ws: Path, grid: dict[str, list], exps: list[dict]) -> tuple[str
         lines.append(f"| {e['name']} | " + " | ".join(values) +
                      f" | {score} | {val[-1] if val else 'n/a'} | {versus} |")
     return "\n".join(lines), "\n".join(details) if base is not None else f"not paired: {why}"
+
+
+def _eval_results(ws: Path, rev: str | None) -> dict:
+    """An experiment's metrics/eval.json (a DVC output, not a metric: `dvc exp show` shows the
+    headline, metrics.json, alone), or {} where it has none."""
+    import dvc.api
+
+    try:
+        return json.loads(dvc.api.read("metrics/eval.json", repo=str(ws), rev=rev)) if rev else {}
+    except Exception:  # DVC's own errors for a revision or file that is not there
+        return {}
 
 
 def _lookup(tree: dict, dotted: str):

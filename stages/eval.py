@@ -16,7 +16,7 @@ from longctx.data.loader import PackedDataset
 from longctx.errors import ConfigError, DataError
 from longctx.eval import needle, report, suite, tasks
 from longctx.eval.plots import family_figure
-from longctx.io import atomic_dir, write_json
+from longctx.io import atomic_dir, read_json, write_json
 from longctx.tracking.runs import stage_run
 
 from . import STARTED, _train
@@ -24,6 +24,10 @@ from ._run import METRICS, PACKED, PLOTS, TOKENS, compute_device, main, tokenize
 
 OUT = Path("reports") / "eval"
 PLOT_DIR = PLOTS / "eval"
+HEADLINE = Path("metrics.json")
+"""dvc.yaml's one metrics file, the columns `dvc exp show` puts first: each checkpoint's mean task
+score at each length and its validation loss (metrics/eval.json, an output, holds the rest: with
+every stage's metrics/<stage>.json the tiny run's table had 872 columns)."""
 
 
 def checkpoints(cfg: Params) -> dict[str, Path]:
@@ -133,6 +137,7 @@ def run(cfg: Params, root: Path) -> None:
         tracker.metrics({f"{c}.vs_{against}.{t}.{n}": sign[v["verdict"]] for c, by in results["verdicts"].items()
                          for against, cmp in by.items() for t, at in cmp.items() if t != "vs" for n, v in at.items()})
         write_outputs(results, rows_all, position_rows)
+        write_json(HEADLINE, headline(results, ckpts), sort_keys=False)
         groups = results["formats"]
         tracker.metrics({f"{c}.{g}.{n}.{k}": cell[k] for g in groups["tasks"] if groups["tasks"][g]
                          for c, by in groups["means"][g].items() for n, cell in by.items()
@@ -149,6 +154,21 @@ def run(cfg: Params, root: Path) -> None:
     clock.lap("MLflow run end")
     print((OUT / "comparison.md").read_text())
     print(f"eval: {clock.line()}", flush=True)
+
+
+def headline(results: dict, ckpts: dict[str, Path]) -> dict:
+    """`<checkpoint>@<length>`: its mean task score there (the MLflow parent run's
+    `results/<checkpoint>.tasks_at_<length>`), in training order and by length; then `val_loss`:
+    each trained checkpoint's last validation loss (its summary's). Short names: `dvc exp show`
+    cuts a column wider than its share of the terminal to "…"."""
+    _, means = report.length_means(results["tasks"])
+    out: dict = {f"{name}@{n}": v for name in ckpts for n, v in sorted(means.get(name, {}).items())}
+    out["val_loss"] = {}
+    for name, folder in ckpts.items():
+        summary = folder / "summary.json"
+        if summary.is_file() and "val_loss" in (trained := read_json(summary, "model summary")):
+            out["val_loss"][name] = trained["val_loss"]
+    return out
 
 
 def write_outputs(results: dict, rows: list[dict], position_rows: list[dict]) -> None:

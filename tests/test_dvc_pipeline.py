@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -129,6 +130,16 @@ def test_every_stage_runs_through_dvc_and_is_tracked(finished):
     assert runs["eval"].data.metrics["eval/sft.loss_at_512-2048"] == pytest.approx(
         ev["position_loss"]["sft"]["bands"]["512-2048"])
     assert {"comparison.md", "score_by_family.png"} <= {a.path for a in client.list_artifacts(runs["eval"].info.run_id)}
+    # dvc.yaml's one metrics file, `dvc exp show`'s first columns: each checkpoint's mean task score at
+    # each length (the parent run's results/ metrics) and its validation loss, in training order
+    head = json.loads((ws / "metrics.json").read_text())
+    order = ["base", "pretrain_stage1", "pretrain_stage2", "sft"]
+    assert list(head) == [f"{c}@{n}" for c in order for n in (256, 512)] + ["val_loss"]
+    for c in order:
+        for n in (256, 512):
+            assert head[f"{c}@{n}"] == pytest.approx(parent.data.metrics[f"results/{c}.tasks_at_{n}"])
+    assert list(head["val_loss"]) == order
+    assert head["val_loss"]["sft"] == json.loads((ws / "metrics/sft.json").read_text())["val_loss"]
     # the tasks in no training document's format, reported apart
     held = ev["formats"]["tasks"]["held_out"]
     assert set(held) == {"json_kv", "variable_tracking", "common_words", "frequent_words", "icl"}
@@ -138,6 +149,18 @@ def test_every_stage_runs_through_dvc_and_is_tracked(finished):
     # each training stage's loss curve as a figure beside its CSV
     assert {"train_base.csv", "train_base.png"} <= {a.path for a in client.list_artifacts(runs["base"].info.run_id)}
     assert "train_sft.png" in {a.path for a in client.list_artifacts(runs["sft"].info.run_id)}
+
+
+EXP_SHOW = ["--only-changed", "--drop", ".*/|checkpoints"]
+"""`dvc exp show`'s flags the README gives to compare experiments: the columns that differ between
+the rows, no deps' hashes (DVC names those by path)."""
+
+
+def dvc_stdout(args: list[str], cwd: Path, env: dict) -> str:
+    """What `dvc <args>` prints on stdout (its warnings, on stderr, left out)."""
+    proc = subprocess.run(["dvc", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"dvc {args} failed:\n{proc.stdout}\n{proc.stderr}"
+    return proc.stdout
 
 
 def readme_command(prefix: str) -> list[str]:
@@ -150,7 +173,9 @@ def readme_command(prefix: str) -> list[str]:
 
 def test_the_readme_experiment_takes_the_searched_factors(finished):
     """README's `dvc exp run -S ...` as written: the searched factors reach pretraining, the new
-    stage-1 mix reaches pack (every stage after it reads data/packed), the data before it stays."""
+    stage-1 mix reaches pack (every stage after it reads data/packed), the data before it stays;
+    the stages' MLflow runs go under one named after the experiment, and `dvc exp show` puts the
+    headline first (with the README's flags: it and the changed params alone)."""
     ws, env, _ = finished
     sh(["git", "add", "-A"], ws, env)
     sh(["git", "commit", "-qm", "finished run"], ws, env)
@@ -165,6 +190,31 @@ def test_the_readme_experiment_takes_the_searched_factors(finished):
     assert rope["original_max_position_embeddings"] == 256
     hf = json.loads((ws / "models/sft/hf/config.json").read_text())
     assert (hf.get("rope_scaling") or hf.get("rope_parameters"))["long_factor"] == searched["long_factor"]
+    # its stages' MLflow runs under one run named after the experiment, as the main command's under the flow run's
+    from mlflow.tracking import MlflowClient
+
+    name = re.search(r"Ran experiment\(s\): (\S+)", out)[1]
+    client = MlflowClient(tracking_uri=f"sqlite:///{ws / 'mlflow.db'}")
+    store = client.get_experiment_by_name("longctx").experiment_id
+    (parent,) = client.search_runs([store], filter_string=f"tags.`dvc.experiment` = '{name}' and "
+                                   "tags.`longctx.stage` = 'experiment'")
+    assert parent.info.run_name == name and parent.info.status == "FINISHED"
+    assert "mlflow.parentRunId" not in parent.data.tags  # the top-level run (each stage's was, before)
+    children = client.search_runs([store], filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+    assert {r.info.run_name for r in children} == ran
+    # `dvc exp show`: dvc.yaml's one metrics file, its columns first (every stage's metrics made 1,568 columns
+    # here); with the README's flags, the headline's columns and the params that changed, no deps
+    order = ["base", "pretrain_stage1", "pretrain_stage2", "sft"]
+    headline = [f"{c}@{n}" for c in order for n in (256, 512)] + [f"val_loss.{c}" for c in order]
+    shown = json.loads(dvc_stdout(["exp", "show", "--json"], ws, env))
+    assert {f for row in shown for f in (row["data"].get("metrics") or {})} == {"metrics.json"}
+    columns = dvc_stdout(["exp", "show", "--csv"], ws, env).splitlines()[0].split(",")
+    assert columns[:5] == ["Experiment", "rev", "typ", "Created", "parent"] and columns[5:17] == headline
+    assert len(columns) <= 5 + len(headline) + 61 + 30  # SMALL's 58 params and the 3 set here, 30 deps
+    changed = {"train.pretrain.factors", "pack.splits.stage1.mix.books", "pack.splits.stage1.mix.code_repos"}
+    header = dvc_stdout(["exp", "show", *EXP_SHOW, "--csv"], ws, env).splitlines()[0].split(",")
+    assert changed <= set(header) and set(header) - changed <= {*headline, "Experiment", "rev", "typ", "Created",
+                                                                 "parent"}, header
     sh(["git", "checkout", "params.yaml"], ws, env)
     sh(["dvc", "repro"], ws, env)  # back to the base change (from DVC's run cache)
     # the README's and params.yaml's other examples: DVC takes their overrides (queued, not run)

@@ -103,9 +103,13 @@ def test_failure_then_resume_and_mlflow_parent_runs(small_run, tmp_path, monkeyp
     sh(["git", "commit", "-qm", "pipeline run"], ws, env)
     exps = sweep(str(ws), grid={"eval.samples": [2]})
     assert len(exps) == 1 and exps[0]["params"]["eval"]["samples"] == 2
-    assert exps[0]["metrics"]["metrics/eval.json"]["tasks"]  # the experiment's own metrics (git-tracked)
+    assert set(exps[0]["metrics"]) == {"metrics.json"}  # the headline alone (git-tracked; the rest DVC outputs)
+    assert exps[0]["metrics"]["metrics.json"]["sft@512"] >= 0
+    # the experiment's stage (eval alone) under one run named after it
     runs = client.search_runs([exp.experiment_id], filter_string=f"tags.`dvc.experiment` = '{exps[0]['name']}'")
-    assert {r.info.run_name for r in runs} == {"eval"}
+    named = {r.info.run_name: r for r in runs}
+    assert set(named) == {"eval", exps[0]["name"]} and named[exps[0]["name"]].info.status == "FINISHED"
+    assert named["eval"].data.tags["mlflow.parentRunId"] == named[exps[0]["name"]].info.run_id
     table = client.search_runs([exp.experiment_id], filter_string="tags.`longctx.stage` = 'sweep'")
     assert len(table) == 1 and "sweep_comparison.md" in {a.path for a in client.list_artifacts(table[0].info.run_id)}
     # the experiment reran eval alone with more prompts: on the prompts both runs asked, the same answers

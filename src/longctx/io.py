@@ -186,12 +186,13 @@ def safetensors_file(tensors: dict, path: str | os.PathLike, metadata: dict[str,
     os.chmod(path, 0o666 & ~umask())
 
 
-def write_json(path: str | os.PathLike, obj: Any) -> None:
-    """Write JSON through a temp file and rename, so readers never see half a file."""
+def write_json(path: str | os.PathLike, obj: Any, sort_keys: bool = True) -> None:
+    """Write JSON through a temp file and rename, so readers never see half a file; keys sorted
+    unless the order is the reader's (`dvc exp show` makes its columns in the file's order)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{_owner()}")
     try:
-        tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+        tmp.write_text(json.dumps(obj, indent=2, sort_keys=sort_keys) + "\n")
     except OSError as e:  # (a write's error names no file: a full disk would be said of none)
         tmp.unlink(missing_ok=True)
         raise OSError(e.errno, e.strerror, str(path)) if e.filename is None else e from None
