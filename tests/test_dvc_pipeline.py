@@ -151,11 +151,6 @@ def test_every_stage_runs_through_dvc_and_is_tracked(finished):
     assert "train_sft.png" in {a.path for a in client.list_artifacts(runs["sft"].info.run_id)}
 
 
-EXP_SHOW = ["--only-changed", "--drop", ".*/|checkpoints"]
-"""`dvc exp show`'s flags the README gives to compare experiments: the columns that differ between
-the rows, no deps' hashes (DVC names those by path)."""
-
-
 def dvc_stdout(args: list[str], cwd: Path, env: dict) -> str:
     """What `dvc <args>` prints on stdout (its warnings, on stderr, left out)."""
     proc = subprocess.run(["dvc", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
@@ -212,7 +207,10 @@ def test_the_readme_experiment_takes_the_searched_factors(finished):
     assert columns[:5] == ["Experiment", "rev", "typ", "Created", "parent"] and columns[5:17] == headline
     assert len(columns) <= 5 + len(headline) + 61 + 30  # SMALL's 58 params and the 3 set here, 30 deps
     changed = {"train.pretrain.factors", "pack.splits.stage1.mix.books", "pack.splits.stage1.mix.code_repos"}
-    header = dvc_stdout(["exp", "show", *EXP_SHOW, "--csv"], ws, env).splitlines()[0].split(",")
+    # (the README's flags: the columns that differ between the rows, no deps' hashes, which DVC names by path)
+    readme_flags = readme_command("dvc exp show")[3:]
+    assert readme_flags and "--csv" not in readme_flags, readme_flags
+    header = dvc_stdout(["exp", "show", *readme_flags, "--csv"], ws, env).splitlines()[0].split(",")
     assert changed <= set(header) and set(header) - changed <= {*headline, "Experiment", "rev", "typ", "Created",
                                                                  "parent"}, header
     sh(["git", "checkout", "params.yaml"], ws, env)

@@ -15,6 +15,7 @@
 # AGAIN=1: only what follows the main command, in the workspace the last call left (a second device call made
 # while the machine is still warm, when the first had no time left for it); AGAIN=resume: the main command
 # again first (DVC skips the finished stages, a training stage goes on from its last checkpoint).
+# MAIN_ONLY=1: the main command alone (two variants' runs in the calls of one session's device time).
 # PROFILE: another profile (tiny: the same steps on a CPU). LIMIT: seconds for the whole script (default
 # 594, what run 13 ran under in a 600 s call; the main command gets what is left, then 10 s to stop).
 # Carry .whl (scripts/gpu/wheels.py) where the image lacks DVC, Prefect and MLflow.
@@ -81,6 +82,7 @@ git init -q && git add -A && git -c user.name=longctx -c user.email=longctx@loca
 run_main "$out/pipeline.log" ""
 [ "$status" = 0 ] || exit "$status"
 fi
+[ -n "${MAIN_ONLY:-}" ] && exit "$status"
 dvc status 2>&1 | tee "$out/dvc_status.log"   # right after a finished run: nothing to do
 # one eval param changed: eval alone reruns, only with time for the whole eval stage (~370 s on gpu-64k): cut
 # off, DVC would have removed the finished run's eval outputs, and collect() would archive the run without them
