@@ -1,8 +1,9 @@
 """What the FoX kernels' autotuning costs a process, and whether Triton's disk cache pays it once
 (issue 62: the FoX pipeline's eval tuned again for every new length key, up to 15 s each). Two
 processes in turn share one fresh Triton cache: `cold` tunes every length class (the kernels'
-SIZE key, kernel.size_class: one per power of two of the packed tokens; --largest-class 16: one
-for every length from 32K up), `warm` should read every choice back. Each
+SIZE key, kernel.size_class: one for every length from 32K up, below it one per power of two of the
+packed tokens; --largest-class 0: one per power of two throughout), `warm` should read every choice
+back. Each
 length: its first call (compile, tune, run) and a second, the gap being what tuning and
 compilation cost; forward alone at the eval's packed batches, forward and backward at the
 training stages' (gpu-64k: 8 x 4K = 32K, 4 x 16K and 1 x 64K = 64K). The configuration the tuner
@@ -80,8 +81,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--kv-heads", type=int, default=12)
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--doc", type=int, default=65536, help="document length inside the packed tokens")
-    ap.add_argument("--largest-class", type=int, help="LONGCTX_FOX_LARGEST_CLASS for both processes (16: one class "
-                    "from 32K up; unset: one a power of two)")
+    ap.add_argument("--largest-class", type=int, help="LONGCTX_FOX_LARGEST_CLASS for both processes (0: a class a "
+                    "power of two; unset: the kernel's default, 16: one class from 32K up)")
     ap.add_argument("--runs", nargs="*", default=["cold", "warm"], help="processes in turn on one fresh cache")
     ap.add_argument("--child", type=Path, help=argparse.SUPPRESS)  # (one process's rows go to this file)
     ap.add_argument("--out", type=Path, default=Path("bench/results/fox-tuning"),
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> dict:
     runs = {}
     with tempfile.TemporaryDirectory() as cache:
         env = {**os.environ, "TRITON_CACHE_DIR": cache, "LONGCTX_FOX_TUNING_CACHE": "1"}
-        if a.largest_class:
+        if a.largest_class is not None:
             env["LONGCTX_FOX_LARGEST_CLASS"] = str(a.largest_class)
         for name in a.runs:
             rows = Path(cache) / f"{name}.json"

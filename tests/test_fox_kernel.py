@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -530,11 +533,30 @@ def test_the_first_autotuned_call_is_right(monkeypatch):
 
 
 def test_lengths_from_32k_up_share_one_tuning_class(monkeypatch):
-    monkeypatch.setattr(fk, "LARGEST_CLASS", None)   # (the default: a class a power of two)
+    monkeypatch.setattr(fk, "LARGEST_CLASS", None)   # (LONGCTX_FOX_LARGEST_CLASS=0: a class a power of two)
     assert [fk.size_class(n) for n in (4096, 32768, 2**21)] == [13, 16, 22]
     monkeypatch.setattr(fk, "LARGEST_CLASS", 16)
     assert [fk.size_class(n) for n in (1, 4096, 4099, 16384, 32767)] == [1, 13, 13, 15, 15]
     assert {fk.size_class(n) for n in (32768, 65536, 1_000_003, 2**21, 2**24)} == {16}
+
+
+def test_every_process_keeps_its_tunings_in_one_folder(tmp_path):
+    """Imported with TRITON_CACHE_DIR unset, the kernel module names the folder torch.compile would
+    set later (so tunings before and after a compile, in any stage, go to one place); a folder the
+    user set stays, and without the tuning cache nothing is set."""
+    probe = ("import os; import longctx.model.fox.kernel; "
+             "from torch._inductor.runtime.cache_dir_utils import triton_cache_dir; import triton; "
+             "print(os.environ.get('TRITON_CACHE_DIR'), triton_cache_dir(0), triton.knobs.cache.dir)")
+    base = {k: v for k, v in os.environ.items() if k != "TRITON_CACHE_DIR"} | {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+    unset, inductor, triton_reads = subprocess.run([sys.executable, "-c", probe], env=base, capture_output=True,
+                                                   text=True, check=True).stdout.split()
+    assert unset == inductor == triton_reads == str(tmp_path / "triton" / "0")
+    mine = str(tmp_path / "mine")
+    assert subprocess.run([sys.executable, "-c", probe], env=base | {"TRITON_CACHE_DIR": mine}, capture_output=True,
+                          text=True, check=True).stdout.split() == [mine] * 3
+    off = subprocess.run([sys.executable, "-c", probe], env=base | {"LONGCTX_FOX_TUNING_CACHE": "0"},
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert off[0] == "None" and off[2] != off[1]
 
 
 @pytest.mark.skipif(not CUDA, reason="autotuning times configurations on the GPU")
