@@ -426,10 +426,11 @@ def _eval_results(ws: Path, rev: str | None) -> dict:
     """An experiment's metrics/eval.json (a DVC output, not a metric: `dvc exp show` shows the
     headline, metrics.json, alone), or {} where it has none."""
     import dvc.api
+    from dvc.exceptions import DvcException
 
     try:
         return json.loads(dvc.api.read("metrics/eval.json", repo=str(ws), rev=rev)) if rev else {}
-    except Exception:  # DVC's own errors for a revision or file that is not there
+    except (FileNotFoundError, DvcException):  # a revision or file that is not there
         return {}
 
 

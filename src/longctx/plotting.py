@@ -21,12 +21,16 @@ def save(fig, path: Path) -> None:
     pyplot().close(fig)
 
 
-def labels(ax, xlabel: str, ylabel: str, title: str) -> None:
-    """Label one axes and add its legend."""
+def labels(ax, xlabel: str, ylabel: str, title: str, outside: bool = False) -> None:
+    """Label one axes and add its legend (`outside`: beside the axes, where it covers no line; the
+    figure's layout "constrained" makes room for it)."""
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
-    ax.legend(fontsize=8)
+    if outside:
+        ax.figure.legend(loc="outside right upper", fontsize=8)
+    else:
+        ax.legend(fontsize=8)
 
 
 def finish(fig, ax, path: Path, xlabel: str, ylabel: str, title: str) -> None:
@@ -66,8 +70,5 @@ def loss_curve(rows: list[dict], title: str, val_loss: float | None = None, mark
         ax.plot([steps[-1]], [val_loss], "o", color="tab:red", zorder=4, label=f"validation loss {val_loss:.3f}")
     for step, label in (marks or {}).items():
         ax.axvline(step, color="0.4", linestyle="--", linewidth=1, label=label)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats/token)")
-    ax.set_title(title)
-    fig.legend(loc="outside right upper", fontsize=8)
+    labels(ax, "step", "loss (nats/token)", title, outside=True)
     return fig
