@@ -11,7 +11,9 @@ guessed tokens a decode step (model/decode.py's prompt lookup), without the prom
 prefilled once (every prompt whole), without the prompts batched in the order of their ids (those
 that begin alike together), without bf16 weights (fp32 ones under autocast: suite.inference_weights)
 or without the fused RMSNorm, rotary and SwiGLU kernels (model/fused.py; its prefill timed too), in
-the same run, and compares their answers.
+the same run, and compares their answers. `--checkpoint` scores a trained checkpoint's weights instead
+(what ACP skips depends on the trained gates) and `--acp-eps` times FoX also with its prompts' prefill
+pruned by ACP (eval.acp_eps).
 
     python bench/eval_throughput.py --tokenizer data/tokens/tokenizer
 """
@@ -31,11 +33,12 @@ from longctx.data.tokenizer import TextTokenizer
 from longctx.eval import needle, suite
 from longctx.model import decode, fused
 from longctx.model.config import FoxConfig
+from longctx.model.fox import Acp
 from longctx.model.hf import save_hf
 from longctx.model.transformer import Transformer
 from longctx.perf import write_result
 from longctx.train.flops import flop_params, peak_flops
-from longctx.train.models import build
+from longctx.train.models import build, load_model
 
 EVAL = config.resolve({"profile": "gpu-64k"}).eval
 SWITCHES = {"shared-prefix": (decode, "SHARED_PREFIX", False), "draft": (decode, "DRAFT_TOKENS", 0),
@@ -45,7 +48,9 @@ prompts batched longest first, not in the order of their ids; bf16-weights: an f
 OTHERS = ["alike-order", "bf16-weights"]
 
 
-def model(fox: bool, vocab: int, window: int) -> Transformer:
+def model(fox: bool, vocab: int, window: int, checkpoint: Path | None) -> Transformer:
+    if checkpoint is not None:
+        return load_model(checkpoint).cuda().eval()
     params = config.resolve({"profile": "gpu-64k"}).model
     cfg = params.as_model_config(vocab).model_copy(update={"max_position_embeddings": window})
     if fox:
@@ -151,6 +156,8 @@ def main() -> None:
                         help="needle depths, cycling over a task's prompts (default: the gpu-64k profile's)")
     parser.add_argument("--without", nargs="*", choices=sorted(SWITCHES) + OTHERS, default=["draft"],
                         help="ours: also timed with each of these off (its answers compared with the default's)")
+    parser.add_argument("--checkpoint", type=Path, help="a trained checkpoint's weights (--models: its architecture)")
+    parser.add_argument("--acp-eps", type=float, help="FoX: also timed with the prefill pruned by ACP at this eps")
     args = parser.parse_args()
     tok = TextTokenizer.load(args.tokenizer)
     enc = suite.Encoder(tok, chat=False)
@@ -160,7 +167,10 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as d:
         for fox in [m == "fox" for m in args.models]:
-            m = model(fox, vocab, window)
+            m = model(fox, vocab, window, args.checkpoint)
+            if args.checkpoint is not None and (m.cfg.fox is not None) != fox:
+                parser.error(f"--checkpoint {args.checkpoint} is {'not ' * (not fox)}a FoX model: give --models "
+                             f"{'transformer' if fox else 'fox'}")
             m.attention_backend = args.attention
             name = "FoX (Pro)" if fox else "Transformer"
             if not fox:
@@ -206,6 +216,13 @@ def main() -> None:
                     row[f"without_{switch}"]["same_answers"] = sum(a == b for a, b in zip(got, want, strict=True))
                     row[f"vs_without_{switch}"] = round(row["batched"]["prompts_per_s"]
                                                         / row[f"without_{switch}"]["prompts_per_s"], 2)
+                if fox and args.acp_eps:
+                    m.acp = Acp(args.acp_eps)
+                    row["with_acp"], got = timed(ours, enc, prompts, encoded, args.batch_tokens)
+                    row["with_acp"].update(pruned=round(m.acp.stats.pruned_fraction(), 4),
+                                           same_answers=sum(a == b for a, b in zip(got, want, strict=True)))
+                    m.acp = None
+                    row["acp_speedup"] = round(row["with_acp"]["prompts_per_s"] / row["batched"]["prompts_per_s"], 2)
                 if args.alone:
                     row["one_at_a_time"], got = timed(ours, enc, prompts, encoded, 1)
                     row["one_at_a_time"]["same_answers"] = sum(a == b for a, b in zip(got, want, strict=True))
@@ -222,20 +239,25 @@ def main() -> None:
                 print(row, flush=True)
             del m
             torch.cuda.empty_cache()
-    offs = "".join(f" {'no ' + w:>16} {'x':>5}" for w in args.without)
+    offs = "".join(f" {'no ' + w:>16} {'x':>5}" for w in args.without) + (" ACP prompts/s  skipped    x" if args.acp_eps
+                                                                          else "")
     print(f"{'model':<12} {'length':>7} {'prompts/s':>10}{offs} {'1-at-a-time':>11} "
           f"{'transformers':>12} {'x HF':>5} {'prefill tok/s':>13} {'of peak':>7} {'build s':>7}")
     for r in rows:
         peer = r.get("transformers", {}).get("prompts_per_s", "-")
         alone = r.get("one_at_a_time", {}).get("prompts_per_s", "-")
         offs = "".join(f" {r[f'without_{w}']['prompts_per_s']:>16} {r[f'vs_without_{w}']:>5}" for w in args.without)
+        if args.acp_eps:
+            acp = r.get("with_acp", {})
+            offs += f" {acp.get('prompts_per_s', '-'):>13} {acp.get('pruned', '-'):>8} {r.get('acp_speedup', '-'):>4}"
         print(f"{r['model']:<12} {r['length']:>7} {r['batched']['prompts_per_s']:>10}{offs} {alone:>11} "
               f"{peer:>12} {r.get('vs_transformers', '-'):>5} "
               f"{r['prefill_tokens_per_s']:>13} {r['prefill_flop_fraction']:>7} {r['build_seconds']:>7}")
     write_result(args.out, "eval_throughput", {"shape": "gpu-64k model (d768, 12 layers)", "tasks": args.tasks,
                                                 "depths": args.depths, "per_task": args.per_task,
                                                 "batch_tokens": args.batch_tokens, "peer_batch": args.peer_batch,
-                                                "attention": args.attention,
+                                                "attention": args.attention, "acp_eps": args.acp_eps,
+                                                "checkpoint": str(args.checkpoint) if args.checkpoint else None,
                                                 "rows": rows})
 
 

@@ -107,6 +107,7 @@ def run(cfg: Params, root: Path) -> None:
         clock.lap("MLflow run")
         for i, (name, folder) in enumerate(ckpts.items()):
             model = suite.inference_weights(_train.load(folder, cfg.model.attention_backend).to(device).eval())
+            suite.pruned(model, ec.acp_eps, name)
             loaded = clock.lap(f"{name} loaded" if i else "first checkpoint loaded")
             if not i:
                 print(f"eval: ready in {clock.line()}", flush=True)
@@ -120,14 +121,16 @@ def run(cfg: Params, root: Path) -> None:
             print(f"eval {name}: mean task score {scores}", flush=True)
             speed = results["throughput"][name]
             spent = clock.lap(f"{name} scored")
+            acp = f", ACP skipped {speed['acp_pruned']:.0%} of the prefill's tiles" if "acp_pruned" in speed else ""
             print(f"eval {name}: {spent:.1f} s ({speed['seconds']:.1f} the tasks at {speed['prompts_per_s']:.1f} "
-                  f"prompts/s, {spent - speed['seconds']:.1f} perplexities and the rest; {loaded:.1f} its load)",
+                  f"prompts/s{acp}, {spent - speed['seconds']:.1f} perplexities and the rest; {loaded:.1f} its load)",
                   flush=True)
             tracker.metrics({f"{name}.{t}.{n}": v for t, by in results["tasks"][name].items() for n, v in by.items()})
             tracker.metrics({f"{name}.{t}.{n}.{k}": cell[k] for t, by in results["cells"][name].items()
                              for n, cell in by.items() for k in ("n", "lo", "hi")})
             tracker.metrics({f"{name}.mean.{n}.{k}": m[k] for n, m in means.items() for k in ("mean", "n", "lo", "hi")})
-            tracker.metrics({f"{name}.{k}": speed[k] for k in ("prompts_per_s", "tokens_per_s")})
+            tracker.metrics({f"{name}.{k}": speed[k] for k in ("prompts_per_s", "tokens_per_s", "acp_pruned")
+                             if k in speed})
             if windows[name].length is not None:  # scores at lengths above it were measured beyond the window
                 tracker.metrics({f"{name}.window": windows[name].length})
         results["verdicts"] = report.verdicts(rows_all, list(ckpts))

@@ -17,7 +17,7 @@ from longctx.data.loader import PackedDataset
 from longctx.data.tokenizer import TextTokenizer
 from longctx.errors import ConfigError, DataError
 from longctx.eval import helmet, lm_harness, needle, report, suite
-from longctx.model.config import ModelConfig, RopeConfig
+from longctx.model.config import FoxConfig, ModelConfig, RopeConfig
 from longctx.model.hf import save_native
 from longctx.model.transformer import Transformer
 
@@ -159,6 +159,29 @@ def test_lm_eval_scores_what_it_can_and_skips_the_rest(tok, tmp_path):
     assert list(results["lm_eval"]["m"]) == ["tiny_choice"]  # a task that fails has no score...
     [skip] = results["skipped"]  # ...but a reason
     assert skip["checkpoint"] == "m" and skip["task"] == "lm_eval:no_such_task" and "no_such_task" in skip["reason"]
+
+
+def test_a_fox_checkpoint_scores_with_acp_and_records_what_it_skipped(small_project, tok, long_val, tmp_path):
+    """eval.acp_eps: FoX through the 'fox' kernel (Triton's interpreter here) with ACP, the share of
+    the prefill's tiles it skipped in the checkpoint's throughput; refused, naming the checkpoint,
+    for a model ACP cannot prune."""
+    with pytest.raises(ConfigError, match="eval.acp_eps: checkpoint base is not a FoX model"):
+        suite.pruned(small_model(), 4.54e-5, "base")
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=1024, d_model=64, n_layers=2, n_heads=4, ffn_dim=128, max_position_embeddings=256,
+                      rope=None, fox=FoxConfig())
+    fox = Transformer(cfg, attention_backend="reference").eval()
+    with pytest.raises(ConfigError, match="checkpoint stage2 attends with 'reference' on cpu; ACP needs the 'fox'"):
+        suite.pruned(fox, 4.54e-5, "stage2")
+    assert suite.pruned(fox, None, "stage2").acp is None
+    fox.attention_backend = "fox"
+    assert suite.pruned(fox, 4.54e-5, "stage2").acp.eps == 4.54e-5
+    ec = EvalParams(tasks=["passkey"], lengths=[256], samples=2, depths=[0.5], position_sequences=1,
+                    needle_sequences=1, retention_sequences=1)
+    results, plain = report.empty_results(), suite.Encoder(tok, chat=False)
+    with suite.PromptBank((plain,), ec, tok.tok.decode(long_val[0].input_ids.tolist())) as bank:
+        suite.evaluate(results, "stage2", fox, tmp_path, plain, ec, long_val, suite.Window(None), None, bank)
+    assert 0 <= results["throughput"]["stage2"]["acp_pruned"] < 1
 
 
 def test_evaluate_one_checkpoint(small_project, tok, long_val, tmp_path):

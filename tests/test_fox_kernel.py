@@ -363,6 +363,29 @@ def test_acp_needs_a_fox_model_and_the_kernel():
         model(torch.zeros(8, dtype=torch.long, device=DEV))
 
 
+def test_prompts_prefilled_with_acp_decode_the_exact_prefills_tokens():
+    """eval.acp_eps: the prompts' prefill into an empty cache goes through the pruned kernel (its
+    tiles counted), decode steps read every cached key, and the answers are the exact ones."""
+    from longctx.model.decode import generate_batch
+
+    model = fox_model().eval()
+    with torch.no_grad():  # fast forgetting (f ~ 0.05): far tiles carry nothing, so ACP skips them
+        for layer in model.layers:
+            layer.self_attn.fgate.bias.fill_(-3.0)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 97, (n,), generator=gen).to(DEV) for n in (700, 333, 520)]
+    with torch.no_grad():
+        exact = generate_batch(model, prompts, 5)
+        model.acp = Acp()
+        got = generate_batch(model, prompts, 5)
+    assert [g.tolist() for g in got] == [e.tolist() for e in exact]
+    assert 0.3 < model.acp.stats.pruned_fraction() < 1  # the prefill's tiles were counted, most skipped
+    model.acp = Acp(eps=1e-30)  # a threshold below every weight's share prunes nothing the
+    with torch.no_grad():       # decay leaves, and the answers stay the same
+        again = generate_batch(model, prompts, 5)
+    assert [g.tolist() for g in again] == [e.tolist() for e in exact]
+
+
 # --- where training lives: gate regimes x document layouts; dtype x head dim x GQA x ACP --------
 # (issue 31: d log f was wrong on each shape's first, autotuned call; every earlier test ran with
 # tuning off and gentle gates, so none saw it). Each gradient is judged per head against float64.

@@ -65,9 +65,10 @@ import yaml
 p = yaml.safe_load(open("params.yaml"))
 if os.environ["VARIANT"] == "fox":   # FoX (Pro) + ACP: the same data, splits and steps (ACP='': FoX alone)
     p["model"] = {"arch": "fox"}
-    if os.environ["ACP"]:
+    if os.environ["ACP"]:   # ACP where base and SFT train, and in every checkpoint's eval prefill
         for stage in ("base", "sft"):
             p["train"][stage] = {"acp_eps": float(os.environ["ACP"])}
+        p["eval"] = {**(p.get("eval") or {}), "acp_eps": float(os.environ["ACP"])}
 for item in os.environ["SET"].split():
     key, value = item.split("=", 1)
     *path, last = key.split(".")
@@ -86,8 +87,9 @@ fi
 dvc status 2>&1 | tee "$out/dvc_status.log"   # right after a finished run: nothing to do
 # one eval param changed: eval alone reruns, only with time for the whole eval stage (~370 s on gpu-64k): cut
 # off, DVC would have removed the finished run's eval outputs, and collect() would archive the run without them
-if [ "$(left)" -gt "${EVAL_S:-420}" ] && grep -q '^eval: {}$' params.yaml; then
-  sed -i "s/^eval: {}$/eval: {retention_sequences: 4}/" params.yaml
+if [ "$(left)" -gt "${EVAL_S:-420}" ] && ! grep -q retention_sequences params.yaml; then
+  python3 -c "import yaml; p = yaml.safe_load(open('params.yaml')); p['eval'] = {**(p.get('eval') or {}),
+'retention_sequences': 4}; yaml.safe_dump(p, open('params.yaml', 'w'), sort_keys=False)"
   { echo "== eval.retention_sequences changed"; dvc status 2>&1; } | tee -a "$out/dvc_status.log"
   run_main "$out/pipeline_eval_changed.log" " (eval changed)"
 fi

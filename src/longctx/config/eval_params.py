@@ -91,6 +91,10 @@ class EvalParams(Strict):
     batch_tokens: PositiveInt = 65536
     """Prompt tokens prefilled and decoded together (packed, each prompt masked from the others;
     ours only); a longer prompt goes alone. Bounds the eval's memory."""
+    acp_eps: float | None = Field(default=None, gt=0, lt=1)
+    """FoX checkpoints prefill their prompts and score their losses with Adaptive Computation
+    Pruning at this threshold (each query drops attention weights summing under it; the
+    training's e^-10 = 4.54e-5), as FoX + ACP trains; None: every weight (exact attention)."""
     position_sequences: PositiveInt = 8
     """Long validation documents for the per-position loss and perplexity against length."""
     needle_sequences: PositiveInt = 8

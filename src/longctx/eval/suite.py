@@ -20,7 +20,9 @@ from ..config import EvalParams
 from ..data.loader import PackedDataset
 from ..data.tokenizer import TextTokenizer
 from ..errors import ConfigError, DataError
+from ..model import attention
 from ..model.decode import generate_batch
+from ..model.fox import Acp
 from ..model.hf import native_config
 from ..model.loss import IGNORE
 from ..model.transformer import Transformer
@@ -174,6 +176,22 @@ def inference_weights(model: Transformer) -> Transformer:
             for p in model.parameters():
                 if p.is_floating_point():
                     p.data = p.data.to(torch.bfloat16)
+    return model
+
+
+def pruned(model: Transformer, eps: float | None, name: str) -> Transformer:
+    """The model with ACP at `eps` (eval.acp_eps; None: as it is): a FoX checkpoint through the
+    'fox' kernel, else a ConfigError naming the checkpoint. In place; returns the model."""
+    if eps is None:
+        return model
+    if model.cfg.fox is None:
+        raise ConfigError(f"eval.acp_eps: checkpoint {name} is not a FoX model (ACP prunes FoX attention)")
+    device = next(model.parameters()).device
+    backend = attention.resolve(model.attention_backend, device, True)
+    if backend != "fox":
+        raise ConfigError(f"eval.acp_eps: checkpoint {name} attends with {backend!r} on {device.type}; ACP "
+                          "needs the 'fox' kernel (CUDA, or Triton's interpreter)")
+    model.acp = Acp(eps)
     return model
 
 
@@ -383,6 +401,8 @@ def evaluate(results: dict, name: str, model: Transformer, folder: Path, enc: En
     results["tasks"][name] = mean_scores(rows)
     results["cells"][name] = cells(rows)
     results["means"][name] = length_cells(rows)
+    if model.acp is not None and (skipped := model.acp.stats.pruned_fraction()) is not None:
+        speed["acp_pruned"] = skipped  # the share of causal tiles the prompts' prefill skipped
     results["throughput"][name] = speed
     curve = perplexities(results, name, model, data, enc.tok, ec)
     if ec.lm_eval_tasks:

@@ -137,7 +137,18 @@ class Attention(nn.Module):
         # one dtype for the kernels: under autocast, RoPE tables and norms come out in fp32
         q, k = q.to(v.dtype), k.to(v.dtype)
         tiles = None
-        if cache is not None:
+        if cache is not None and ctx.acp_eps is not None:  # prompts into an empty cache prefill pruned
+            counted = []
+
+            def pruned(q, k, v, cu_seqlens, log_f, scale):
+                o, counts = attention.fox_pruned(q, k, v, cu_seqlens, log_f, eps=ctx.acp_eps,
+                                                 logit_bound=self.logit_bound())
+                counted.append(counts)
+                return o
+
+            o = cache.attend(q, k, v, log_f, ctx.host, pruned, ctx.scale, last)
+            tiles = counted[0] if counted else None
+        elif cache is not None:
             o = cache.attend(q, k, v, log_f, ctx.host, ctx.attend, ctx.scale, last)
         elif ctx.acp_eps is not None:
             o, tiles = attention.fox_pruned(q, k, v, ctx.cu_seqlens, log_f, eps=ctx.acp_eps,

@@ -68,7 +68,8 @@ class Transformer(nn.Module):
                              f"{sorted(attention.BACKENDS)} or 'auto')")
         self.attention_backend = attention_backend
         self.acp: Acp | None = None
-        """Adaptive Computation Pruning in FoX attention (the 'fox' backend); stats in acp.stats."""
+        """Adaptive Computation Pruning in FoX attention (the 'fox' backend); stats in acp.stats. With a
+        KV cache it prunes the prompts' prefill (decode steps read every cached key)."""
         self.compiled_loss = False
         """The loss's per-chunk math through torch.compile (set with the compiled blocks, CUDA)."""
         self.sp_group: dist.ProcessGroup | None = None
@@ -202,7 +203,7 @@ class Transformer(nn.Module):
         plan = attention.plan(name, host, device, width) if host is not None else None
         if plan is not None:
             attend = functools.partial(attend, plan=plan)
-        acp_eps = self.acp.eps if self.acp is not None and cache is None else None
+        acp_eps = self.acp.eps if self.acp is not None else None
         return Context(cu_seqlens, n, cos, sin, attend, cache, acp_eps, pe, host)
 
     def _seqpe(self, positions: torch.Tensor, top: int | None) -> tuple[torch.Tensor, torch.Tensor, float]:
