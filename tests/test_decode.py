@@ -94,6 +94,26 @@ def test_prompts_decoded_together_get_what_each_gets_alone(name):
     assert int(stopped[0][-1]) == eos and stopped[0].numel() <= 10
 
 
+@pytest.mark.parametrize("name", ["llama", "fox_pro"])
+def test_a_decode_steps_ops_do_not_grow_with_the_documents_decoded_together(name):
+    """A step of 3 documents and one of 12 run the same ops (on a GPU, the same launches): no
+    per-document loop in the step. FoX's gates looped over the documents, ~4 ops a document and
+    layer, and a 64K eval batch of 16 ran 2.2x a step's ops for it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    model = Transformer(CONFIGS[name].model_copy(update={"max_position_embeddings": 64}), "sdpa").eval()
+
+    def ops(docs: int, new: int) -> int:
+        prompts = [torch.randint(0, 61, (20 + i,)) for i in range(docs)]
+        with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
+            generate_batch(model, prompts, new, draft=0)
+        return sum(e.count for e in prof.key_averages())
+
+    steps = {docs: ops(docs, 6) - ops(docs, 2) for docs in (3, 12)}  # the ops of 4 decode steps
+    assert steps[3] == steps[12] > 0, steps
+
+
 def test_lookup_draft_guesses_what_followed_the_latest_copy_of_the_last_tokens():
     from longctx.model.decode import lookup_draft
 

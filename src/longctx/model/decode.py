@@ -112,15 +112,18 @@ class LayerCache:
         spans = list(zip(bounds[:-1], bounds[1:], strict=True))
         if len(spans) != len(starts):
             raise ValueError(f"{len(spans)} documents of new tokens for a cache of {len(starts)}")
-        lam_new = None
-        if log_f is not None:  # each document's cumulative gate goes on from its last cached key's
+        single = all(b - a == 1 for a, b in spans)
+        if single:  # one token a document (a decode step): its rows, for one read and one write for all
+            rows = torch.arange(len(starts), device=k.device)
+            at = torch.tensor(starts, device=k.device)
+        lam_new = None  # each document's cumulative gate goes on from its last cached key's
+        if log_f is not None and single and self.lam is not None:  # (a few ops, not a few a document)
+            lam_new = log_f.float() + self.lam[rows, (at - 1).clamp(min=0)] * (at > 0)[:, None]
+        elif log_f is not None:
             lam_new = torch.cat([log_f[a:b].float().cumsum(0) + (self.lam[i, s - 1] if s else 0.0)
                                  for i, ((a, b), s) in enumerate(zip(spans, starts, strict=True))])
         self._grow(max(s + b - a for (a, b), s in zip(spans, starts, strict=True)), k, v, lam_new)
-        single = all(b - a == 1 for a, b in spans)
-        if single:  # one token a document (a decode step): one write for all
-            rows = torch.arange(len(starts), device=k.device)
-            at = torch.tensor(starts, device=k.device)
+        if single:
             self.k[rows, at], self.v[rows, at] = k, v
             if lam_new is not None:
                 self.lam[rows, at] = lam_new
