@@ -5,6 +5,8 @@ layer of one forward shares."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -137,19 +139,11 @@ class Attention(nn.Module):
         # one dtype for the kernels: under autocast, RoPE tables and norms come out in fp32
         q, k = q.to(v.dtype), k.to(v.dtype)
         tiles = None
-        if cache is not None and ctx.acp_eps is not None:  # prompts into an empty cache prefill pruned
-            counted = []
-
-            def pruned(q, k, v, cu_seqlens, log_f, scale):
-                o, counts = attention.fox_pruned(q, k, v, cu_seqlens, log_f, eps=ctx.acp_eps,
-                                                 logit_bound=self.logit_bound())
-                counted.append(counts)
-                return o
-
-            o = cache.attend(q, k, v, log_f, ctx.host, pruned, ctx.scale, last)
+        if cache is not None:  # (with ACP, prompts into an empty cache prefill pruned, their tiles counted)
+            counted: list[torch.Tensor] = []
+            backend = ctx.attend if ctx.acp_eps is None else functools.partial(self._pruned, ctx.acp_eps, counted)
+            o = cache.attend(q, k, v, log_f, ctx.host, backend, ctx.scale, last)
             tiles = counted[0] if counted else None
-        elif cache is not None:
-            o = cache.attend(q, k, v, log_f, ctx.host, ctx.attend, ctx.scale, last)
         elif ctx.acp_eps is not None:
             o, tiles = attention.fox_pruned(q, k, v, ctx.cu_seqlens, log_f, eps=ctx.acp_eps,
                                             logit_bound=self.logit_bound())
@@ -157,6 +151,12 @@ class Attention(nn.Module):
             o = ctx.attend(q, k, v, ctx.cu_seqlens, log_f, ctx.scale)
         o = o[..., :width]
         return (self.o_norm(o) if self.output_norm else o), tiles
+
+    def _pruned(self, eps: float, counted: list, q, k, v, cu_seqlens, log_f, scale) -> torch.Tensor:
+        """The cache's prefill backend under ACP: the 'fox' kernel's output, its tile counts kept."""
+        o, counts = attention.fox_pruned(q, k, v, cu_seqlens, log_f, eps=eps, logit_bound=self.logit_bound())
+        counted.append(counts)
+        return o
 
     def output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The output gate (FoX (Pro), from the block's input x) and projection, per token."""
