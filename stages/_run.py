@@ -26,7 +26,7 @@ PLOTS = Path("plots")
 
 def main(name: str, run: Callable[[config.Params, Path], None],
          trains: Callable[[config.Params], list] | None = None, models: bool = False,
-         writes: tuple[Path, ...] = ()) -> None:
+         writes: tuple[Path, ...] = (), again: str | None = None) -> None:
     """Parse --params, run the stage from the project root, turn user errors into exit code 2.
     A stage that runs models (`models`, or `trains` listing its training configs) first checks
     that the attention backend runs on this machine; a training stage, that its configs fit
@@ -34,7 +34,9 @@ def main(name: str, run: Callable[[config.Params, Path], None],
     take writes before any work; a disk that fills up or turns read-only mid-stage is one line
     and exit 2 too. With train.nproc > 1 it then starts itself again under torchrun, one process
     per GPU (gloo processes on a CPU machine); rank 0 writes the outputs. With train.slurm.enabled
-    (outside a Slurm job) it runs as a batch job instead, and waits for it."""
+    (outside a Slurm job) it runs as a batch job instead, and waits for it. `again`: what `dvc
+    repro <name>` does after a stop (a training stage goes on from its last checkpoint, others
+    run again)."""
     parser = argparse.ArgumentParser(prog=f"python -m stages.{name}", description=run.__doc__)
     parser.add_argument("--params", default="params.yaml", help="params file (default: params.yaml)")
     args = parser.parse_args()
@@ -89,8 +91,8 @@ def main(name: str, run: Callable[[config.Params, Path], None],
     except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (Terminated): a training stage resumes where it stopped
         if rank0:
             what = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
-            again = "goes on from its last checkpoint" if trains else "runs it again"
-            print(f"{name}: {what}{_under_dvc() or '; no outputs were changed'}; `dvc repro {name}` {again}",
+            rerun = again or ("goes on from its last checkpoint" if trains else "runs it again")
+            print(f"{name}: {what}{_under_dvc() or '; no outputs were changed'}; `dvc repro {name}` {rerun}",
                   file=sys.stderr)
         sys.exit(143 if isinstance(e, Terminated) else 130)
 

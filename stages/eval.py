@@ -7,7 +7,9 @@ from __future__ import annotations
 if not __package__:  # `python stages/eval.py`: stages/ leads sys.path, its tokenize.py shadows Python's
     raise SystemExit("run it as `python -m stages.eval` from the project root (or `dvc repro eval`)")
 
+import hashlib
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -24,6 +26,10 @@ from ._run import METRICS, PACKED, PLOTS, TOKENS, compute_device, main, tokenize
 
 OUT = Path("reports") / "eval"
 PLOT_DIR = PLOTS / "eval"
+PARTIAL = _train.RUNS / "eval"
+"""Each checkpoint's measurements as soon as it is scored, so an eval cut short (a call's or a
+job's time limit, SIGTERM, Ctrl-C) goes on with the checkpoints it had not scored; removed when
+the stage finishes. Scratch, not an output: DVC removes a stage's outputs before it reruns."""
 HEADLINE = Path("metrics.json")
 """dvc.yaml's one metrics file, the columns `dvc exp show` puts first: each checkpoint's mean task
 score at each length and its validation loss (metrics/eval.json, an output, holds the rest: with
@@ -76,6 +82,30 @@ class Clock:
         return f"{sum(self.laps.values()):.1f} s (" + ", ".join(f"{k} {v:.1f}" for k, v in self.laps.items()) + ")"
 
 
+def scored_key(cfg: Params, name: str, folder: Path, device) -> str:
+    """What one checkpoint's measurements depend on: its weights, every param (tracking's aside),
+    the tokens and packed data, the device, and the code that scores it (its text: a checkout
+    changes every file's time)."""
+    code = hashlib.sha256()
+    for f in sorted([*Path("src/longctx").rglob("*.py"), *Path("stages").glob("*.py")]):
+        code.update(f"{f}:".encode() + f.read_bytes())
+    params = cfg.model_dump(mode="json", exclude={"tracking"})
+    return hashlib.sha256(json.dumps([params, name, _train.fingerprint(folder), _train.fingerprint(TOKENS),
+                                      _train.fingerprint(PACKED), str(device), code.hexdigest()],
+                                     sort_keys=True).encode()).hexdigest()[:16]
+
+
+def scored_before(name: str, key: str) -> tuple[dict, list[dict], list[dict]] | None:
+    """(results, prompt rows, position rows) of `name` kept by a run cut short with the same key."""
+    try:
+        kept = json.loads((PARTIAL / f"{name}.json").read_text())
+    except (OSError, ValueError):  # none, or one a kill cut mid-write
+        return None
+    if kept.get("key") != key:
+        return None
+    return report.int_keys(kept["results"]), kept["rows"], kept["curve"]
+
+
 def run(cfg: Params, root: Path) -> None:
     """Evaluate every checkpoint with the same prompts."""
     clock = Clock(STARTED)
@@ -105,14 +135,26 @@ def run(cfg: Params, root: Path) -> None:
             suite.PromptBank(encoders, ec, haystack) as bank:  # the prompts, made while checkpoints score
         short = retention_split(cfg)
         clock.lap("MLflow run")
-        for i, (name, folder) in enumerate(ckpts.items()):
-            model = suite.inference_weights(_train.load(folder, cfg.model.attention_backend).to(device).eval())
-            suite.pruned(model, ec.acp_eps, name)
-            loaded = clock.lap(f"{name} loaded" if i else "first checkpoint loaded")
-            if not i:
-                print(f"eval: ready in {clock.line()}", flush=True)
-            rows, curve = suite.evaluate(results, name, model, folder, suite.Encoder(tok, name == "sft"), ec, data,
-                                         windows[name], short, bank)
+        ready = False
+        for name, folder in ckpts.items():
+            key = scored_key(cfg, name, folder, device)
+            kept = scored_before(name, key)
+            if kept is None:
+                model = suite.inference_weights(_train.load(folder, cfg.model.attention_backend).to(device).eval())
+                suite.pruned(model, ec.acp_eps, name)
+                loaded = clock.lap(f"{name} loaded" if ready else "first checkpoint loaded")
+                if not ready:
+                    print(f"eval: ready in {clock.line()}", flush=True)
+                    ready = True
+                scored = report.empty_results()
+                rows, curve = suite.evaluate(scored, name, model, folder, suite.Encoder(tok, name == "sft"), ec, data,
+                                             windows[name], short, bank)
+                PARTIAL.mkdir(parents=True, exist_ok=True)
+                write_json(PARTIAL / f"{name}.json", {"key": key, "results": scored, "rows": rows, "curve": curve},
+                           sort_keys=False)  # (the rows keep their columns' order)
+            else:
+                scored, rows, curve = kept
+            report.merge_checkpoint(results, scored)
             rows_all += rows
             position_rows += curve
             means = results["means"][name]  # as it comes: a run cut short keeps it
@@ -120,11 +162,16 @@ def run(cfg: Params, root: Path) -> None:
                                for n, m in means.items())
             print(f"eval {name}: mean task score {scores}", flush=True)
             speed = results["throughput"][name]
-            spent = clock.lap(f"{name} scored")
-            acp = f", ACP skipped {speed['acp_pruned']:.0%} of the prefill's tiles" if "acp_pruned" in speed else ""
-            print(f"eval {name}: {spent:.1f} s ({speed['seconds']:.1f} the tasks at {speed['prompts_per_s']:.1f} "
-                  f"prompts/s{acp}, {spent - speed['seconds']:.1f} perplexities and the rest; {loaded:.1f} its load)",
-                  flush=True)
+            if kept is not None:
+                print(f"eval {name}: scored by an earlier run of the same checkpoint, params and code that was cut "
+                      f"short, kept ({PARTIAL / name}.json)", flush=True)
+            else:
+                spent = clock.lap(f"{name} scored")
+                acp = (f", ACP skipped {speed['acp_pruned']:.0%} of the prefill's tiles" if "acp_pruned" in speed
+                       else "")
+                print(f"eval {name}: {spent:.1f} s ({speed['seconds']:.1f} the tasks at {speed['prompts_per_s']:.1f} "
+                      f"prompts/s{acp}, {spent - speed['seconds']:.1f} perplexities and the rest; {loaded:.1f} its "
+                      "load)", flush=True)
             tracker.metrics({f"{name}.{t}.{n}": v for t, by in results["tasks"][name].items() for n, v in by.items()})
             tracker.metrics({f"{name}.{t}.{n}.{k}": cell[k] for t, by in results["cells"][name].items()
                              for n, cell in by.items() for k in ("n", "lo", "hi")})
@@ -153,6 +200,7 @@ def run(cfg: Params, root: Path) -> None:
         tracker.artifact(OUT / "comparison.md")
         tracker.artifact(OUT / "prompts.jsonl")  # every answer beside its gold: what a score of 0 wrote
         tracker.metrics({f"{c}.retention_ppl": v for c, v in results["retention_ppl"].items()})
+        shutil.rmtree(PARTIAL, ignore_errors=True)  # (every output written)
         clock.lap("outputs and figures")
     clock.lap("MLflow run end")
     print((OUT / "comparison.md").read_text())
@@ -191,4 +239,4 @@ def write_outputs(results: dict, rows: list[dict], position_rows: list[dict]) ->
 
 
 if __name__ == "__main__":
-    main("eval", run, models=True, writes=(OUT,))
+    main("eval", run, models=True, writes=(OUT,), again=f"goes on after the checkpoints it scored ({PARTIAL})")

@@ -30,7 +30,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from conftest import REPO, SMALL, dvc_workspace, sh, stage_env, stage_process, write_params
+from conftest import REPO, SMALL, copy_workspace, dvc_workspace, sh, stage_env, stage_process, write_params
 from longctx.config import merge
 from longctx.io import atomic_dir, clear_stale
 
@@ -737,6 +737,59 @@ def test_sigterm_stops_a_training_stage_cleanly_and_it_resumes(project_copy):
     done = stage_process(project_copy, "base", None)
     assert done.returncode == 0, done.stderr[-2000:]
     assert (project_copy / "models" / "base" / "model.safetensors").is_file()
+
+
+def test_an_eval_stopped_after_a_checkpoint_goes_on_with_the_next(small_run, tmp_path, monkeypatch):
+    """SIGTERM after the first checkpoint was scored: the rerun keeps its scores (runs/eval) and
+    scores the others, its outputs those of the run that was never stopped, and the scratch goes
+    when the stage ends. A checkpoint, param or line of code changed since scores it again."""
+    ws = tmp_path / "ws"
+    env = copy_workspace(small_run[0], ws, store=False)
+    straight = json.loads((ws / "metrics/eval.json").read_text())
+    straight_rows = (ws / "reports/eval/prompts.jsonl").read_text()
+    proc = subprocess.Popen([sys.executable, "-m", "stages.eval"], cwd=ws, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.time() + 300
+    while not (ws / "runs/eval/base.json").is_file() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, "the stage ended before it was stopped"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err[-3000:]
+    assert err.strip().splitlines()[-1] == ("eval: terminated (SIGTERM); no outputs were changed; `dvc repro eval` "
+                                            "goes on after the checkpoints it scored (runs/eval)")
+    assert sorted(f.name for f in (ws / "runs/eval").iterdir()) == ["base.json"]
+    done = subprocess.run([sys.executable, "-m", "stages.eval"], cwd=ws, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    kept = [c for c in straight["tasks"] if f"eval {c}: scored by an earlier run" in done.stdout]
+    assert kept == ["base"] and "eval pretrain_stage1: mean task score" in done.stdout
+    assert not (ws / "runs/eval").exists()
+    resumed = json.loads((ws / "metrics/eval.json").read_text())
+    for section in ("tasks", "cells", "means", "verdicts", "windows", "position_loss", "formats"):
+        assert resumed[section] == straight[section], section
+    assert (ws / "reports/eval/prompts.jsonl").read_text() == straight_rows
+
+    from longctx import config
+    from stages import eval as stage
+
+    monkeypatch.chdir(ws)
+    cfg = config.load("params.yaml")
+    key = stage.scored_key(cfg, "base", Path("models/base"), "cpu")
+    assert stage.scored_key(cfg, "base", Path("models/base"), "cpu") == key
+    assert stage.scored_key(cfg, "sft", Path("models/base"), "cpu") != key
+    assert stage.scored_key(cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"samples": 7})}), "base",
+                            Path("models/base"), "cpu") != key
+    weights = ws / "models/base/model.safetensors"
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    assert stage.scored_key(cfg, "base", Path("models/base"), "cpu") != key
+    key = stage.scored_key(cfg, "base", Path("models/base"), "cpu")
+    with (ws / "src/longctx/eval/tasks.py").open("a") as fh:
+        fh.write("\n")
+    assert stage.scored_key(cfg, "base", Path("models/base"), "cpu") != key
+    (ws / "runs/eval").mkdir(parents=True)
+    (ws / "runs/eval/base.json").write_text('{"key": "')  # cut mid-write: scored again
+    assert stage.scored_before("base", key) is None
 
 
 @pytest.mark.slow

@@ -19,6 +19,22 @@ def empty_results() -> dict:
                                                     "judge) need an external API; not computed"}}
 
 
+def merge_checkpoint(results: dict, scored: dict) -> None:
+    """Add one checkpoint's sections (an `empty_results` that `suite.evaluate` filled) to the run's."""
+    for section, value in scored.items():
+        if isinstance(value, list):
+            results.setdefault(section, []).extend(value)
+        else:
+            results.setdefault(section, {}).update(value)
+
+
+def int_keys(obj):
+    """`obj` read back from JSON, its lengths (written as "4096") int keys again, as measured."""
+    if isinstance(obj, dict):
+        return {int(k) if k.isdigit() else k: int_keys(v) for k, v in obj.items()}
+    return [int_keys(v) for v in obj] if isinstance(obj, list) else obj
+
+
 def mean_scores(rows: list[dict]) -> dict[str, dict[int, float]]:
     """Task -> length -> mean score of the prompt rows (the `tasks` section of one checkpoint)."""
     out: dict[str, dict[int, list[float]]] = {}
