@@ -183,6 +183,7 @@ def run(cfg: Params, root: Path) -> None:
         results["verdicts"] = report.verdicts(rows_all, list(ckpts))
         results["best"] = report.best(rows_all, list(ckpts))
         results["formats"] = report.format_groups(rows_all, list(ckpts), tasks.trained_formats(cfg))
+        results["near_misses"] = report.near_misses(rows_all)
         sign = {"better": 1, "worse": -1, "no difference": 0}
         tracker.metrics({f"{c}.vs_{against}.{t}.{n}": sign[v["verdict"]] for c, by in results["verdicts"].items()
                          for against, cmp in by.items() for t, at in cmp.items() if t != "vs" for n, v in at.items()})
@@ -200,6 +201,8 @@ def run(cfg: Params, root: Path) -> None:
         tracker.artifact(OUT / "comparison.md")
         tracker.artifact(OUT / "prompts.jsonl")  # every answer beside its gold: what a score of 0 wrote
         tracker.metrics({f"{c}.retention_ppl": v for c, v in results["retention_ppl"].items()})
+        tracker.metrics({f"{c}.needle_answers.{n}.{k}": cell[k] for c, by in results["near_misses"].items()
+                         for n, cell in by.items() for k in ("wrong", "near")})
         shutil.rmtree(PARTIAL, ignore_errors=True)  # (every output written)
         clock.lap("outputs and figures")
     clock.lap("MLflow run end")

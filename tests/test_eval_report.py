@@ -64,6 +64,29 @@ def test_score_tables_read_memory_and_json_alike():
         "| base | 3 | 3.250 | 2.500 |", "| sft | - | - | - |"]
 
 
+def test_near_misses_count_wrong_answers_that_copied_the_needles_number_almost():
+    def row(task, n, gold, output, score=0.0, ckpt="sft"):
+        return {"task": task, "length": n, "gold": gold, "output": output, "score": score, "checkpoint": ckpt}
+
+    rows = [row("niah_single_noise", 4096, ["1214510"], " 8214510."),  # first chunk wrong: 1 edit of 7
+            row("niah_single_noise", 4096, ["6863952"], " 68639."),  # stopped 2 digits early: 2 edits
+            row("niah_single_noise", 4096, ["9445109"], " 9445."),  # 3 edits: more than a third
+            row("niah_single_noise", 4096, ["1112999"], " 741834. 5 and 1112"),  # another number
+            row("passkey", 4096, ["38423"], " 38424."),  # 1 edit of 5
+            row("passkey", 4096, ["38423"], " 38424.", score=1.0),  # right: not a miss
+            row("passkey", 65536, ["55169"], " 55196."),  # 2 edits of 5: more than max(1, 5 // 3)
+            row("niah_multivalue", 4096, ["1234567", "7654321"], " 1234568"),  # several golds: not counted
+            row("variable_tracking", 4096, ["XQZ"], " XQY"),  # not a number
+            row("passkey", 4096, ["38423"], "", ckpt="base")]  # nothing written
+    misses = report.near_misses(rows)
+    assert misses == {"sft": {4096: {"wrong": 5, "near": 3}, 65536: {"wrong": 1, "near": 0}},
+                      "base": {4096: {"wrong": 1, "near": 0}}}
+    results = report.empty_results()
+    results["tasks"] = {"sft": {"passkey": {4096: 0.5, 65536: 0.0}}}
+    results["near_misses"] = misses
+    assert "| sft | 3 of 5 | 0 of 1 |" in report.comparison(results)
+
+
 def test_mean_scores_average_the_prompts_of_a_task_at_a_length():
     rows = [{"task": "passkey", "length": 256, "score": 1.0}, {"task": "passkey", "length": 256, "score": 0.0},
             {"task": "passkey", "length": 512, "score": 1.0}, {"task": "icl", "length": 256, "score": 0.5}]

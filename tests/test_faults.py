@@ -766,8 +766,9 @@ def test_an_eval_stopped_after_a_checkpoint_goes_on_with_the_next(small_run, tmp
     assert kept == ["base"] and "eval pretrain_stage1: mean task score" in done.stdout
     assert not (ws / "runs/eval").exists()
     resumed = json.loads((ws / "metrics/eval.json").read_text())
-    for section in ("tasks", "cells", "means", "verdicts", "windows", "position_loss", "formats"):
+    for section in ("tasks", "cells", "means", "verdicts", "windows", "position_loss", "formats", "near_misses"):
         assert resumed[section] == straight[section], section
+    assert sum(cell["wrong"] for by in resumed["near_misses"].values() for cell in by.values()) > 0
     assert (ws / "reports/eval/prompts.jsonl").read_text() == straight_rows
 
     from longctx import config

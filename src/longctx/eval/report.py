@@ -4,6 +4,8 @@ the sweep's mean score all read the per-length scores through `score_rows`."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 
 from . import stats
@@ -14,7 +16,7 @@ def empty_results() -> dict:
     """The sections every checkpoint's measurements go into; what cannot be computed says why."""
     return {"tasks": {}, "throughput": {}, "position_loss": {}, "ppl_by_length": {}, "needle_ppl": {},
             "retention_ppl": {}, "skipped": [], "windows": {}, "cells": {}, "means": {}, "verdicts": {}, "best": {},
-            "formats": {},
+            "formats": {}, "near_misses": {},
             "not_computed": {"helmet_gpt4o_judged": "GPT-4o-judged metrics (HELMET summarization, QA "
                                                     "judge) need an external API; not computed"}}
 
@@ -112,6 +114,33 @@ def verdicts(rows: list[dict], order: list[str]) -> dict:
         out[c] = {"base": {"vs": order[0], **paired_rows(by[c], by[order[0]])}}
         if i > 1:
             out[c]["previous"] = {"vs": order[i - 1], **paired_rows(by[c], by[order[i - 1]])}
+    return out
+
+
+def _edits(a: str, b: str) -> int:
+    """Levenshtein distance: insertions, deletions and substitutions from a to b."""
+    row = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        prev, row[0] = row[0], i
+        for j, cb in enumerate(b, 1):
+            prev, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, prev + (ca != cb))
+    return row[-1]
+
+
+def near_misses(rows: list[dict]) -> dict:
+    """Checkpoint -> length -> the wrong answers to prompts whose one gold is a number (passkey,
+    the NIAHs) and how many of them hold a number within a third of its digits (edits) of it:
+    the needle was found and its copy went wrong, a failure of copying rather than of reaching
+    that far (the `near_misses` section)."""
+    out: dict = {}
+    for r in rows:
+        gold = r["gold"]
+        if r["score"] or len(gold) != 1 or not gold[0].isdigit():
+            continue
+        cell = out.setdefault(r["checkpoint"], {}).setdefault(int(r["length"]), {"wrong": 0, "near": 0})
+        cell["wrong"] += 1
+        limit = max(1, len(gold[0]) // 3)
+        cell["near"] += any(_edits(n, gold[0]) <= limit for n in re.findall(r"\d+", r["output"]))
     return out
 
 
@@ -229,6 +258,14 @@ def comparison(results: dict) -> str:
             lines.append(f"| {c} | " + " | ".join(verdict_text(pooled[n]) if n in pooled else "-" for n in lengths)
                          + " |")
     lines += format_lines(results.get("formats", {}), lengths)
+    if misses := results.get("near_misses"):
+        lines += ["", "Near misses: wrong answers to the number needles (passkey, NIAH) holding the needle's number "
+                  "with at most a third of its digits wrong, of the wrong answers (found, but copied wrong)", "",
+                  "| checkpoint | " + " | ".join(f"@{n}" for n in lengths) + " |", "|" + "---|" * (len(lengths) + 1)]
+        for c, by in misses.items():
+            at = {int(n): v for n, v in by.items()}
+            lines.append(f"| {c} | " + " | ".join(f"{at[n]['near']} of {at[n]['wrong']}" if n in at else "-"
+                                                  for n in lengths) + " |")
     positions = results.get("position_loss", {})
     if bands := position_bands(positions):
         lines += ["", "Loss by position on long validation documents of a long domain (mean over each band of "
