@@ -65,9 +65,12 @@ import yaml
 p = yaml.safe_load(open("params.yaml"))
 if os.environ["VARIANT"] == "fox":   # FoX (Pro) + ACP: the same data, splits and steps (ACP='': FoX alone)
     p["model"] = {"arch": "fox"}
+    # SFT at a third of the profile's rate: better than 3e-5 at 64K (11-1 prompts), no difference at 4K (1-4), and no
+    # longer worse than stage 2 at 64K (5-13; 3e-5: 4-21; bench/results/recipe/recipe-fox-sft-nvidia-h100-2026-12-07)
+    p["train"]["sft"] = {"lr": 1.0e-5, "lr_min": 1.0e-6}
     if os.environ["ACP"]:   # ACP where base and SFT train, and in every checkpoint's eval prefill
-        for stage in ("base", "sft"):
-            p["train"][stage] = {"acp_eps": float(os.environ["ACP"])}
+        p["train"]["base"] = {"acp_eps": float(os.environ["ACP"])}
+        p["train"]["sft"]["acp_eps"] = float(os.environ["ACP"])
         p["eval"] = {**(p.get("eval") or {}), "acp_eps": float(os.environ["ACP"])}
 for item in os.environ["SET"].split():
     key, value = item.split("=", 1)
