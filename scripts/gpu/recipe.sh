@@ -7,6 +7,7 @@
 #   OUT=... bash scripts/gpu/recipe.sh name:key=value,... ...      (carry .whl)
 # name@parent: a variant of sft and eval alone, on its parent's pretrained checkpoints (linked once the parent's
 # pretrain finished: no second pretrain), its overrides merged over the parent's and paired with the parent's.
+# A variant that changes train.base or the model trains its own base on the shared data first (a base of its own).
 # key: stageN.field for the Nth pretrain stage (stage2.steps=120), or a dotted params path merged over the
 # profile (pack.splits.stage2.mix.retrieval=0.1). COMMON: overrides for every workspace, the shared one
 # included (corpora domains, the eval's tasks and lengths). JOBS: variants side by side (default 2).
@@ -42,7 +43,8 @@ import yaml
 p = yaml.safe_load(open('params.yaml'))
 p['profile'] = os.environ['PROFILE']
 p['tracking'] = {'enabled': False}
-stages = yaml.safe_load(open(f'src/longctx/profiles/{p[\"profile\"]}.yaml'))['train']['pretrain']['stages']
+from longctx.config.loading import load, resolve
+stages = [s.model_dump(mode='json') for s in resolve({'profile': p['profile']}).train.pretrain.stages]   # (with extends)
 for kv in filter(None, re.split(r',(?=[\w.]+=)', os.environ['SET'].strip(','))):   # (a value may hold commas: [a, b])
     key, value = kv.split('=', 1)
     path = key.split('.')
@@ -55,7 +57,6 @@ for kv in filter(None, re.split(r',(?=[\w.]+=)', os.environ['SET'].strip(','))):
         node = node.setdefault(part, {})
     node[path[-1]] = yaml.safe_load(value)
 yaml.safe_dump(p, open('params.yaml', 'w'), sort_keys=False)
-from longctx.config.loading import load
 load('params.yaml')   # a bad override stops here, before any GPU time
 ") || return 1
   echo "$want" > "$1/.recipe"
@@ -75,7 +76,8 @@ for s in corpora tokenize pack base; do run_stage "$shared" $s $s || exit 1; don
 variant() {  # name, overrides, parent (or empty)
   local ws=$work/$1 set=$2 parent=$3
   if [ -n "$parent" ]; then   # sft and eval on the parent's pretrained checkpoints
-    [[ ",$2" == *,train.pretrain* || ",$2" == *,stage[0-9]* ]] && { echo "$1: a variant of $parent changes sft or eval, not pretrain" >&2; return 1; }
+    [[ ",$2" == *,train.pretrain* || ",$2" == *,stage[0-9]* || ",$2" == *,train.base* || ",$2" == *,model.* ]] \
+      && { echo "$1: a variant of $parent changes sft or eval, not pretrain or the base" >&2; return 1; }
     set=${sets[$parent]}${sets[$parent]:+,}$2
     until [ -f "$work/$parent/.done-pretrain" ]; do
       [ -f "$work/$parent/.failed" ] && { echo "$1: its parent $parent failed" >&2; return 1; }
@@ -83,13 +85,17 @@ variant() {  # name, overrides, parent (or empty)
     done
   fi
   workspace "$ws" "$set" || return 1
-  local from=${parent:+$work/$parent}; from=${from:-$shared}
+  local from=${parent:+$work/$parent}; from=${from:-$shared} own=
+  [[ ",$2" == *,train.base* || ",$2" == *,model.* ]] && own=base   # its own base, not the shared one
   if [ ! -d "$ws/data/tokens" ]; then
     mkdir -p "$ws/data" "$ws/models" && cp -al "$from/data/corpora" "$from/data/tokens" "$ws/data/" || return 1
-    for m in "$from"/models/*; do [ "${m##*/}" = sft ] || cp -al "$m" "$ws/models/" || return 1; done
+    for m in "$from"/models/*; do
+      [ "${m##*/}" = sft ] || [ "${m##*/}" = "$own" ] || cp -al "$m" "$ws/models/" || return 1
+    done
   fi
   if [[ ",$2" == *,pack.* ]]; then run_stage "$ws" pack "$1-pack" || return 1
   elif [ ! -d "$ws/data/packed" ]; then cp -al "$from/data/packed" "$ws/data/"; fi
+  [ -z "$own" ] || run_stage "$ws" base "$1-base" || return 1
   [ -z "$parent" ] || touch "$ws/.done-pretrain"
   for s in pretrain sft eval; do run_stage "$ws" $s "$1-$s" || return 1; done
 }
@@ -123,7 +129,7 @@ for v in "$@"; do
 done
 for name in "${names[@]}"; do
   rm -f "$work/$name/.failed"
-  (variant "$name" "${sets[$name]}" "${parents[$name]:-}" || { touch "$work/$name/.failed"; exit 1; }) &
+  (variant "$name" "${sets[$name]}" "${parents[$name]:-}" || { mkdir -p "$work/$name" && touch "$work/$name/.failed"; exit 1; }) &
   while [ "$(jobs -rp | wc -l)" -ge "${JOBS:-2}" ]; do wait -n; done
 done
 wait
