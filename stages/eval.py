@@ -82,17 +82,21 @@ class Clock:
         return f"{sum(self.laps.values()):.1f} s (" + ", ".join(f"{k} {v:.1f}" for k, v in self.laps.items()) + ")"
 
 
-def scored_key(cfg: Params, name: str, folder: Path, device) -> str:
-    """What one checkpoint's measurements depend on: its weights, every param (tracking's aside),
-    the tokens and packed data, the device, and the code that scores it (its text: a checkout
-    changes every file's time)."""
+def run_key(cfg: Params, device) -> str:
+    """What every checkpoint's measurements depend on: every param (tracking's aside), the tokens
+    and packed data, the device, and the code that scores (its text: a checkout changes every
+    file's time). Read once a stage; `scored_key` adds each checkpoint's weights."""
     code = hashlib.sha256()
     for f in sorted([*Path("src/longctx").rglob("*.py"), *Path("stages").glob("*.py")]):
         code.update(f"{f}:".encode() + f.read_bytes())
     params = cfg.model_dump(mode="json", exclude={"tracking"})
-    return hashlib.sha256(json.dumps([params, name, _train.fingerprint(folder), _train.fingerprint(TOKENS),
-                                      _train.fingerprint(PACKED), str(device), code.hexdigest()],
-                                     sort_keys=True).encode()).hexdigest()[:16]
+    return hashlib.sha256(json.dumps([params, _train.fingerprint(TOKENS), _train.fingerprint(PACKED), str(device),
+                                      code.hexdigest()], sort_keys=True).encode()).hexdigest()
+
+
+def scored_key(run: str, name: str, folder: Path) -> str:
+    """One checkpoint's key: the run's (`run_key`), its name and its weights' files."""
+    return hashlib.sha256(f"{run}:{name}:{_train.fingerprint(folder)}".encode()).hexdigest()[:16]
 
 
 def scored_before(name: str, key: str) -> tuple[dict, list[dict], list[dict]] | None:
@@ -135,9 +139,9 @@ def run(cfg: Params, root: Path) -> None:
             suite.PromptBank(encoders, ec, haystack) as bank:  # the prompts, made while checkpoints score
         short = retention_split(cfg)
         clock.lap("MLflow run")
-        ready = False
+        ready, shared = False, run_key(cfg, device)
         for name, folder in ckpts.items():
-            key = scored_key(cfg, name, folder, device)
+            key = scored_key(shared, name, folder)
             kept = scored_before(name, key)
             if kept is None:
                 model = suite.inference_weights(_train.load(folder, cfg.model.attention_backend).to(device).eval())

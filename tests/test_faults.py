@@ -776,21 +776,24 @@ def test_an_eval_stopped_after_a_checkpoint_goes_on_with_the_next(small_run, tmp
 
     monkeypatch.chdir(ws)
     cfg = config.load("params.yaml")
-    key = stage.scored_key(cfg, "base", Path("models/base"), "cpu")
-    assert stage.scored_key(cfg, "base", Path("models/base"), "cpu") == key
-    assert stage.scored_key(cfg, "sft", Path("models/base"), "cpu") != key
-    assert stage.scored_key(cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"samples": 7})}), "base",
-                            Path("models/base"), "cpu") != key
+
+    def key(cfg=cfg, name="base"):
+        return stage.scored_key(stage.run_key(cfg, "cpu"), name, Path("models/base"))
+
+    before = key()
+    assert key() == before
+    assert key(name="sft") != before
+    assert key(cfg.model_copy(update={"eval": cfg.eval.model_copy(update={"samples": 7})})) != before
     weights = ws / "models/base/model.safetensors"
     os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
-    assert stage.scored_key(cfg, "base", Path("models/base"), "cpu") != key
-    key = stage.scored_key(cfg, "base", Path("models/base"), "cpu")
+    assert key() != before
+    before = key()
     with (ws / "src/longctx/eval/tasks.py").open("a") as fh:
         fh.write("\n")
-    assert stage.scored_key(cfg, "base", Path("models/base"), "cpu") != key
+    assert key() != before
     (ws / "runs/eval").mkdir(parents=True)
     (ws / "runs/eval/base.json").write_text('{"key": "')  # cut mid-write: scored again
-    assert stage.scored_before("base", key) is None
+    assert stage.scored_before("base", before) is None
 
 
 @pytest.mark.slow

@@ -74,9 +74,10 @@ shared=$work/shared
 workspace "$shared" "" || exit 1
 for s in corpora tokenize pack base; do run_stage "$shared" $s $s || exit 1; done
 variant() {  # name, overrides, parent (or empty)
-  local ws=$work/$1 set=$2 parent=$3
+  local ws=$work/$1 set=$2 parent=$3 own=
+  [[ ",$2" == *,train.base* || ",$2" == *,model.* ]] && own=base   # its own base, not the shared one
   if [ -n "$parent" ]; then   # sft and eval on the parent's pretrained checkpoints
-    [[ ",$2" == *,train.pretrain* || ",$2" == *,stage[0-9]* || ",$2" == *,train.base* || ",$2" == *,model.* ]] \
+    [[ -n "$own" || ",$2" == *,train.pretrain* || ",$2" == *,stage[0-9]* ]] \
       && { echo "$1: a variant of $parent changes sft or eval, not pretrain or the base" >&2; return 1; }
     set=${sets[$parent]}${sets[$parent]:+,}$2
     until [ -f "$work/$parent/.done-pretrain" ]; do
@@ -85,8 +86,7 @@ variant() {  # name, overrides, parent (or empty)
     done
   fi
   workspace "$ws" "$set" || return 1
-  local from=${parent:+$work/$parent}; from=${from:-$shared} own=
-  [[ ",$2" == *,train.base* || ",$2" == *,model.* ]] && own=base   # its own base, not the shared one
+  local from=${parent:+$work/$parent}; from=${from:-$shared}
   if [ ! -d "$ws/data/tokens" ]; then
     mkdir -p "$ws/data" "$ws/models" && cp -al "$from/data/corpora" "$from/data/tokens" "$ws/data/" || return 1
     for m in "$from"/models/*; do
