@@ -78,6 +78,33 @@ def kernels(m: Transformer, encoded: list[list[int]], budget: int, top: int = 8)
              "ms": round(e.device_time_total / 1e3, 2)} for e in events[:top]]
 
 
+SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC")
+
+
+def decode_profile(answer: suite.Answerer, enc: suite.Encoder, prompts, encoded, budget: int,
+                   top: int = 8) -> dict:
+    """Where a length's whole answering time goes (prefill and decode steps, one pass under the
+    profiler): the GPU's kernel time against the wall time (the rest is the GPU waiting for the
+    host), kernel launches and host syncs, and the kernels by their share. The profiler's own
+    cost inflates the wall time, so `busy` is a lower bound."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        stats, _ = timed(answer, enc, prompts, encoded, budget)
+    events = prof.key_averages()
+    kernels = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+                      and e.device_time_total > 0), key=lambda e: -e.device_time_total)
+    gpu = sum(e.device_time_total for e in kernels) / 1e6
+    count = {e.key: e.count for e in events}
+    return {"seconds": stats["seconds"], "kernel_seconds": round(gpu, 3),
+            "busy": round(gpu / stats["seconds"], 3),
+            "launches": sum(count.get(k, 0) for k in LAUNCHES), "syncs": sum(count.get(k, 0) for k in SYNCS),
+            "argmax_reads": count.get("aten::argmax", 0),  # a step each (and the prefill's)
+            "kernels": [{"kernel": e.key[:90], "calls": e.count, "share": round(e.device_time_total / 1e6 / gpu, 4),
+                         "ms": round(e.device_time_total / 1e3, 2)} for e in kernels[:top]]}
+
+
 @torch.no_grad()
 def prefill(m: Transformer, encoded: list[list[int]], budget: int) -> float:
     """Seconds of the prefills alone (each batch's prompts packed, the head on each last row), as
@@ -150,7 +177,9 @@ def main() -> None:
     parser.add_argument("--alone", action=argparse.BooleanOptionalAction, default=True,
                         help="time ours one prompt at a time too")
     parser.add_argument("--attention", default="auto", help="ours: the attention backend (model.attention_backend)")
-    parser.add_argument("--profile", action="store_true", help="the prefill's top CUDA kernels, each length")
+    parser.add_argument("--profile", action="store_true",
+                        help="the prefill's top CUDA kernels, and the whole answering's (its kernel time against "
+                        "the wall, launches, syncs), each length")
     parser.add_argument("--tasks", nargs="+", default=list(EVAL.tasks), help="default: the gpu-64k profile's")
     parser.add_argument("--depths", type=float, nargs="+", default=list(EVAL.depths),
                         help="needle depths, cycling over a task's prompts (default: the gpu-64k profile's)")
@@ -194,6 +223,10 @@ def main() -> None:
                 if args.profile:
                     row["kernels"] = kernels(m, encoded, args.batch_tokens)
                     for k in row["kernels"]:
+                        print(f"  {k['share']:>6.1%} {k['ms']:>9.1f} ms {k['calls']:>6}  {k['kernel']}")
+                    row["answering"] = decode_profile(ours, enc, prompts, encoded, args.batch_tokens)
+                    print({k: v for k, v in row["answering"].items() if k != "kernels"})
+                    for k in row["answering"]["kernels"]:
                         print(f"  {k['share']:>6.1%} {k['ms']:>9.1f} ms {k['calls']:>6}  {k['kernel']}")
                 row["batched"], want = timed(ours, enc, prompts, encoded, args.batch_tokens)
                 for switch in args.without:

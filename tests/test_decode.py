@@ -215,6 +215,34 @@ def test_prompts_decoded_together_on_cuda_get_what_each_gets_alone(name):
     assert [torch.equal(a, b) for a, b in zip(together, alone, strict=True)] == [True] * 4
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["llama", "fox_pro"])
+def test_a_decode_step_queues_without_waiting_for_the_gpu(name):
+    """A decode step's forward, every layer, copies nothing from pageable host memory (CUDA
+    would drain the stream at each copy, and the GPU wait for the host's next launches): under
+    PyTorch's sync debug mode, a synchronising call raises. Only the step's read of its argmax
+    waits (generate_batch's one sync a step)."""
+    from longctx.model.decode import Cache
+
+    torch.manual_seed(3)
+    cfg = CONFIGS[name].model_copy(update={"vocab_size": 512, "d_model": 128, "max_position_embeddings": 4096})
+    model = Transformer(cfg, "sdpa" if name == "llama" else "fox").cuda().eval()
+    prompts = [torch.randint(0, 512, (n,), device="cuda") for n in (300, 37, 900)]
+    cache = Cache(cfg.n_layers, len(prompts), reserve=4)
+    with torch.no_grad():
+        model.hidden(torch.cat(prompts), np.cumsum([0] + [p.numel() for p in prompts]).tolist(), cache=cache)
+        step = torch.randint(0, 512, (len(prompts),), device="cuda")
+        model.lm_head(model.hidden(step, cache=cache))  # (kernels compiled, allocator warm)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            logits = model.lm_head(model.hidden(step, cache=cache))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert logits.shape == (len(prompts), 512) and cache.lengths == [302, 39, 902]
+
+
 def test_share_plan_forks_each_prompt_from_the_one_it_shares_most_with():
     """Four prompts of one haystack, needles at depths 0.9, 0.5, 0.9 and 0.1, one of another
     haystack, one a copy of the first: the first is computed whole and the others that share

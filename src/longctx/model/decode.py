@@ -24,6 +24,7 @@ import torch
 from .config import head_dim_refused
 from .cudnn_attention import flash_forward
 from .rope import depends_on_length, inverse_frequencies
+from .transfer import to_device
 from .transformer import Transformer
 
 KERNEL = os.environ.get("LONGCTX_DECODE", "kernel") != "math"
@@ -115,7 +116,7 @@ class LayerCache:
         single = all(b - a == 1 for a, b in spans)
         if single:  # one token a document (a decode step): its rows, for one read and one write for all
             rows = torch.arange(len(starts), device=k.device)
-            at = torch.tensor(starts, device=k.device)
+            at = to_device(torch.tensor(starts), k.device)  # (pinned: a pageable copy would sync every layer)
         lam_new = None  # each document's cumulative gate goes on from its last cached key's
         if log_f is not None and single and self.lam is not None:  # (a few ops, not a few a document)
             lam_new = log_f.float() + self.lam[rows, (at - 1).clamp(min=0)] * (at > 0)[:, None]
@@ -194,11 +195,12 @@ class LayerCache:
         top = max(self.lengths)
         keys, values = self.k[:, :top], self.v[:, :top]
         lam = None if lam_new is None else self.lam[:, :top]
+        lengths = to_device(torch.tensor(self.lengths), q.device)
         if q.is_cuda and KERNEL and scale == q.shape[-1] ** -0.5:
             from .fox.decode import decode_attention
 
-            return decode_attention(q, keys, values, lam_new, lam, lengths=torch.tensor(self.lengths, device=q.device))
-        q_pos = torch.tensor(self.lengths, device=q.device)[:, None] - 1
+            return decode_attention(q, keys, values, lam_new, lam, lengths=lengths)
+        q_pos = lengths[:, None] - 1
         return attend_cached(q[:, None], keys, values, None if lam is None else lam_new[:, None], lam, q_pos,
                              scale)[:, 0]
 
