@@ -563,6 +563,27 @@ def test_lengths_from_32k_up_share_one_tuning_class(monkeypatch):
     assert {fk.size_class(n) for n in (32768, 65536, 1_000_003, 2**21, 2**24)} == {16}
 
 
+def test_heads_of_64_tune_over_the_options_chosen_there(monkeypatch):
+    """At head dim 64 each kernel's tuner prunes its options to the narrow list (real options of
+    its list, the first included, in the list's order); at 128, or with LONGCTX_FOX_OPTIONS=all,
+    it keeps every one. Each built tuner carries the pruning."""
+    lists = {"fwd": fk.FWD_OPTIONS, "dq": fk.DQ_OPTIONS, "dkdv": fk.DKDV_OPTIONS}
+    for (name, options), tuner in zip(lists.items(), fk.kernels(tune=True), strict=True):
+        kept = fk.NARROW_OPTIONS[name]
+        assert set(kept) < set(options) and kept[0] == options[0], name
+        configs = [triton.Config({"BM": bm, "BN": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in options]
+        prune = fk.narrowed(kept)
+        got = prune(configs, {}, D=64, GROUPS=1, SIZE=16)
+        assert [(c.kwargs["BM"], c.kwargs["BN"], c.num_warps, c.num_stages) for c in got] == [
+            o for o in options if o in kept], name
+        assert prune(configs, {"D": 128}) == configs
+        monkeypatch.setattr(fk, "NARROW", False)
+        assert prune(configs, {}, D=64) == configs
+        monkeypatch.setattr(fk, "NARROW", True)
+        assert tuner.early_config_prune is not None
+    assert sum(map(len, fk.NARROW_OPTIONS.values())) == 13 and sum(map(len, lists.values())) == 25
+
+
 def test_every_process_keeps_its_tunings_in_one_folder(tmp_path):
     """Imported with TRITON_CACHE_DIR unset, the kernel module names the folder torch.compile would
     set later (so tunings before and after a compile, in any stage, go to one place); a folder the

@@ -444,6 +444,29 @@ DKDV_OPTIONS = [(64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 4, 3), (32, 128, 8, 
 # tuned per head dim, GQA group and length class (not per length: prompts vary)
 KEY = ["D", "GROUPS", "SIZE", "WIDE"]
 
+NARROW = os.environ.get("LONGCTX_FOX_OPTIONS", "narrow") != "all"
+"""At head dims up to NARROW_D each kernel tunes over the options its tuner chose there and their
+neighbours (13 of 25): at the gpu-64k shape (D 64) an H100 and an H200 chose forward 128/64/4/3
+(64/64/4/3 at 4K), dq 64/64/4/3 and dk/dv 32/64/4/3 in every length class from 2^13 to 2^21
+(bench/results/fox-tuning), while the tuning of all 25 cost a FoX pipeline 34.7 s (issue 62: 30).
+Wider heads (the 8B shape's 128) tune over every option; LONGCTX_FOX_OPTIONS=all everywhere."""
+NARROW_D = 64
+NARROW_OPTIONS = {  # each list's first kept (LONGCTX_FOX_AUTOTUNE=0 runs it)
+    "fwd": [(128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 3)],
+    "dq": [(128, 64, 8, 2), (64, 64, 4, 3), (64, 64, 4, 2), (64, 64, 8, 3)],
+    "dkdv": [(64, 128, 8, 2), (32, 64, 4, 3), (64, 64, 4, 3), (32, 128, 4, 3), (32, 64, 8, 3)],
+}
+
+
+def narrowed(kept: list[tuple[int, int, int, int]]):
+    """The tuner's pruning: at head dims up to NARROW_D only the `kept` options (when NARROW)."""
+    def prune(configs: list, named_args: dict, **kwargs) -> list:
+        d = {**named_args, **kwargs}.get("D")
+        if not NARROW or d is None or d > NARROW_D:
+            return configs
+        return [c for c in configs if (c.kwargs["BM"], c.kwargs["BN"], c.num_warps, c.num_stages) in kept]
+    return prune
+
 
 def size_class(n: int) -> int:
     """The SIZE key of n packed tokens: its bit length, at most LARGEST_CLASS."""
@@ -459,21 +482,23 @@ def _wide(q: torch.Tensor, k: torch.Tensor) -> bool:
     return q.shape[0] * max(q.stride(0), k.stride(0)) > OFFSET_LIMIT
 
 
-def _tuned(kernel, options: list[tuple[int, int, int, int]], tune: bool):
-    """`kernel` autotuned over (BM, BN, warps, stages) `options`, or with the first alone. The
-    tuner launches it once per option and repetition on the caller's own buffers, so every
-    kernel here must be a pure function of what it reads: none may read what it writes. With
-    TUNING_CACHE its choices go to Triton's cache on disk."""
+def _tuned(kernel, options: list[tuple[int, int, int, int]], tune: bool, kept: list[tuple[int, int, int, int]]):
+    """`kernel` autotuned over (BM, BN, warps, stages) `options` (narrowed to `kept` at small head
+    dims), or with the first alone. The tuner launches it once per option and repetition on the
+    caller's own buffers, so every kernel here must be a pure function of what it reads: none may
+    read what it writes. With TUNING_CACHE its choices go to Triton's cache on disk."""
     if INTERPRET or not tune:
         options = options[:1]
     configs = [triton.Config({"BM": bm, "BN": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in options]
-    return triton.autotune(configs, key=KEY, cache_results=TUNING_CACHE)(kernel)
+    return triton.autotune(configs, key=KEY, cache_results=TUNING_CACHE,
+                           prune_configs_by={"early_config_prune": narrowed(kept)})(kernel)
 
 
 def kernels(tune: bool = AUTOTUNE) -> tuple:
     """The forward, dq and dk/dv kernels, autotuned (`tune`) or each in its first configuration."""
-    return (_tuned(_fwd_kernel, FWD_OPTIONS, tune), _tuned(_dq_kernel, DQ_OPTIONS, tune),
-            _tuned(_dkdv_kernel, DKDV_OPTIONS, tune))
+    return (_tuned(_fwd_kernel, FWD_OPTIONS, tune, NARROW_OPTIONS["fwd"]),
+            _tuned(_dq_kernel, DQ_OPTIONS, tune, NARROW_OPTIONS["dq"]),
+            _tuned(_dkdv_kernel, DKDV_OPTIONS, tune, NARROW_OPTIONS["dkdv"]))
 
 
 _fwd, _dq, _dkdv = kernels()
