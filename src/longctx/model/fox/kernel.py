@@ -482,16 +482,17 @@ def _wide(q: torch.Tensor, k: torch.Tensor) -> bool:
     return q.shape[0] * max(q.stride(0), k.stride(0)) > OFFSET_LIMIT
 
 
-def _tuned(kernel, options: list[tuple[int, int, int, int]], tune: bool, kept: list[tuple[int, int, int, int]]):
+def _tuned(kernel, options: list[tuple[int, int, int, int]], tune: bool,
+           kept: list[tuple[int, int, int, int]] | None = None):
     """`kernel` autotuned over (BM, BN, warps, stages) `options` (narrowed to `kept` at small head
-    dims), or with the first alone. The tuner launches it once per option and repetition on the
+    dims, where given), or with the first alone. The tuner launches it once per option and repetition on the
     caller's own buffers, so every kernel here must be a pure function of what it reads: none may
     read what it writes. With TUNING_CACHE its choices go to Triton's cache on disk."""
     if INTERPRET or not tune:
         options = options[:1]
     configs = [triton.Config({"BM": bm, "BN": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in options]
-    return triton.autotune(configs, key=KEY, cache_results=TUNING_CACHE,
-                           prune_configs_by={"early_config_prune": narrowed(kept)})(kernel)
+    prune = {"early_config_prune": narrowed(kept)} if kept is not None else None
+    return triton.autotune(configs, key=KEY, cache_results=TUNING_CACHE, prune_configs_by=prune)(kernel)
 
 
 def kernels(tune: bool = AUTOTUNE) -> tuple:
