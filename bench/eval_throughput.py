@@ -71,11 +71,20 @@ def kernels(m: Transformer, encoded: list[list[int]], budget: int, top: int = 8)
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         prefill(m, encoded, budget)
-    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    return kernel_rows([e for e in prof.key_averages() if e.device_time_total > 0], top)
+
+
+def kernel_rows(events: list, top: int) -> list[dict]:
+    """The `top` kernels of profiler events by their share of the kernels' GPU time."""
     total = sum(e.device_time_total for e in events)
-    events.sort(key=lambda e: -e.device_time_total)
+    events = sorted(events, key=lambda e: -e.device_time_total)
     return [{"kernel": e.key[:90], "calls": e.count, "share": round(e.device_time_total / total, 4),
              "ms": round(e.device_time_total / 1e3, 2)} for e in events[:top]]
+
+
+def show_kernels(rows: list[dict]) -> None:
+    for k in rows:
+        print(f"  {k['share']:>6.1%} {k['ms']:>9.1f} ms {k['calls']:>6}  {k['kernel']}")
 
 
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
@@ -93,16 +102,14 @@ def decode_profile(answer: suite.Answerer, enc: suite.Encoder, prompts, encoded,
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         stats, _ = timed(answer, enc, prompts, encoded, budget)
     events = prof.key_averages()
-    kernels = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
-                      and e.device_time_total > 0), key=lambda e: -e.device_time_total)
-    gpu = sum(e.device_time_total for e in kernels) / 1e6
+    on_gpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and e.device_time_total > 0]
+    gpu = sum(e.device_time_total for e in on_gpu) / 1e6
     count = {e.key: e.count for e in events}
     return {"seconds": stats["seconds"], "kernel_seconds": round(gpu, 3),
             "busy": round(gpu / stats["seconds"], 3),
             "launches": sum(count.get(k, 0) for k in LAUNCHES), "syncs": sum(count.get(k, 0) for k in SYNCS),
             "argmax_reads": count.get("aten::argmax", 0),  # a step each (and the prefill's)
-            "kernels": [{"kernel": e.key[:90], "calls": e.count, "share": round(e.device_time_total / 1e6 / gpu, 4),
-                         "ms": round(e.device_time_total / 1e3, 2)} for e in kernels[:top]]}
+            "kernels": kernel_rows(on_gpu, top)}
 
 
 @torch.no_grad()
@@ -222,12 +229,10 @@ def main() -> None:
                        "prefill_flop_fraction": round(flops / seconds / peak, 4) if peak else None}
                 if args.profile:
                     row["kernels"] = kernels(m, encoded, args.batch_tokens)
-                    for k in row["kernels"]:
-                        print(f"  {k['share']:>6.1%} {k['ms']:>9.1f} ms {k['calls']:>6}  {k['kernel']}")
+                    show_kernels(row["kernels"])
                     row["answering"] = decode_profile(ours, enc, prompts, encoded, args.batch_tokens)
                     print({k: v for k, v in row["answering"].items() if k != "kernels"})
-                    for k in row["answering"]["kernels"]:
-                        print(f"  {k['share']:>6.1%} {k['ms']:>9.1f} ms {k['calls']:>6}  {k['kernel']}")
+                    show_kernels(row["answering"]["kernels"])
                 row["batched"], want = timed(ours, enc, prompts, encoded, args.batch_tokens)
                 for switch in args.without:
                     module, attr, off = SWITCHES.get(switch, (None, None, None))

@@ -155,9 +155,9 @@ class Transformer(nn.Module):
                 raise ValueError("decoding with a cache runs without sequence parallelism")
             bounds = cache.bounds(n, cu_seqlens)
             cu_seqlens = torch.tensor(bounds, dtype=torch.int32)
-            sizes = to_device(torch.tensor([b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)]), device)
-            position_ids = (packed_positions(to_device(cu_seqlens, device), n)  # (a decode step queues, no sync)
-                            + to_device(torch.tensor(cache.lengths), device).repeat_interleave(sizes, output_size=n))
+            cu = to_device(cu_seqlens, device)  # (pinned copies: a decode step queues, no sync)
+            position_ids = packed_positions(cu, n) + to_device(torch.tensor(cache.lengths), device).repeat_interleave(
+                (cu[1:] - cu[:-1]).long(), output_size=n)
         if cu_seqlens is None:
             cu_seqlens = torch.arange(0, n + 1, input_ids.shape[-1], dtype=torch.int32)
         if isinstance(cu_seqlens, (list, tuple)):

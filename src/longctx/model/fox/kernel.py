@@ -444,12 +444,13 @@ DKDV_OPTIONS = [(64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 4, 3), (32, 128, 8, 
 # tuned per head dim, GQA group and length class (not per length: prompts vary)
 KEY = ["D", "GROUPS", "SIZE", "WIDE"]
 
-NARROW = os.environ.get("LONGCTX_FOX_OPTIONS", "narrow") != "all"
-"""At head dims up to NARROW_D each kernel tunes over the options its tuner chose there and their
-neighbours (13 of 25): at the gpu-64k shape (D 64) an H100 and an H200 chose forward 128/64/4/3
-(64/64/4/3 at 4K), dq 64/64/4/3 and dk/dv 32/64/4/3 in every length class from 2^13 to 2^21
-(bench/results/fox-tuning), while the tuning of all 25 cost a FoX pipeline 34.7 s (issue 62: 30).
-Wider heads (the 8B shape's 128) tune over every option; LONGCTX_FOX_OPTIONS=all everywhere."""
+NARROW = os.environ.get("LONGCTX_FOX_OPTIONS", "all") == "narrow"
+"""LONGCTX_FOX_OPTIONS=narrow: at head dims up to NARROW_D each kernel tunes over the options its
+tuner chose there and their neighbours (13 of 25). At the gpu-64k shape (D 64) an H100 and an H200
+chose forward 128/64/4/3 (64/64/4/3 at 4K), dq 64/64/4/3 and dk/dv 32/64/4/3 in every length class
+from 2^13 to 2^21 (bench/results/fox-tuning), and tuning all 25 cost a FoX pipeline 34.7 s (issue
+62: 30). Off until bench/fox_tuning.py times both and the CUDA kernel tests pass with it; wider
+heads (the 8B shape's 128) always tune over every option."""
 NARROW_D = 64
 NARROW_OPTIONS = {  # each list's first kept (LONGCTX_FOX_AUTOTUNE=0 runs it)
     "fwd": [(128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 3)],
