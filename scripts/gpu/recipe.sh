@@ -7,7 +7,9 @@
 #   OUT=... bash scripts/gpu/recipe.sh name:key=value,... ...      (carry .whl)
 # name@parent: a variant of sft and eval alone, on its parent's pretrained checkpoints (linked once the parent's
 # pretrain finished: no second pretrain), its overrides merged over the parent's and paired with the parent's.
-# A variant that changes train.base or the model trains its own base on the shared data first (a base of its own).
+# A variant that changes train.base or the model trains its own base on the shared data (a base of its own), beside
+# the shared base: list such variants first, as the shared base takes one of the JOBS slots while it trains, and
+# name the reference variant in REF (default the first).
 # key: stageN.field for the Nth pretrain stage (stage2.steps=120), or a dotted params path merged over the
 # profile (pack.splits.stage2.mix.retrieval=0.1). COMMON: overrides for every workspace, the shared one
 # included (corpora domains, the eval's tasks and lengths). JOBS: variants side by side (default 2).
@@ -70,9 +72,19 @@ run_stage() {  # folder, stage, log name: skipped when it finished before
   log "$3: $(( $(date +%s) - s )) s"
 }
 
+variants=("$@") names=(); declare -A sets parents
+for v in "$@"; do
+  IFS=: read -r name set <<< "$v"
+  [[ $name == *@* ]] && { parents[${name%@*}]=${name#*@}; name=${name%@*}; }
+  names+=("$name"); sets[$name]=$set
+done
+[ -z "${REF:-}" ] || [[ " ${names[*]} " == *" $REF "* ]] || { echo "recipe.sh: REF=$REF names no variant" >&2; exit 2; }
 shared=$work/shared
 workspace "$shared" "" || exit 1
-for s in corpora tokenize pack base; do run_stage "$shared" $s $s || exit 1; done
+for s in corpora tokenize pack; do run_stage "$shared" $s $s || exit 1; done
+# the shared base trains beside the variants with a base of their own (one job slot); the others wait for it
+rm -f "$shared/.failed"
+(run_stage "$shared" base base || touch "$shared/.failed") &
 variant() {  # name, overrides, parent (or empty)
   local ws=$work/$1 set=$2 parent=$3 own=
   [[ ",$2" == *,train.base* || ",$2" == *,model.* ]] && own=base   # its own base, not the shared one
@@ -87,10 +99,14 @@ variant() {  # name, overrides, parent (or empty)
   fi
   workspace "$ws" "$set" || return 1
   local from=${parent:+$work/$parent}; from=${from:-$shared}
+  until [ -n "$own" ] || [ -f "$shared/.done-base" ]; do
+    [ -f "$shared/.failed" ] && { echo "$1: the shared base failed" >&2; return 1; }
+    sleep 5
+  done
   if [ ! -d "$ws/data/tokens" ]; then
     mkdir -p "$ws/data" "$ws/models" && cp -al "$from/data/corpora" "$from/data/tokens" "$ws/data/" || return 1
     for m in "$from"/models/*; do
-      [ "${m##*/}" = sft ] || [ "${m##*/}" = "$own" ] || cp -al "$m" "$ws/models/" || return 1
+      [ ! -e "$m" ] || [ "${m##*/}" = sft ] || [ "${m##*/}" = "$own" ] || cp -al "$m" "$ws/models/" || return 1
     done
   fi
   if [[ ",$2" == *,pack.* ]]; then run_stage "$ws" pack "$1-pack" || return 1
@@ -101,7 +117,7 @@ variant() {  # name, overrides, parent (or empty)
 }
 
 report() {  # summary.md and recipe.tar.gz from the variants that finished
-first=${names[0]}
+first=${REF:-${names[0]}}
 {
   echo "# scripts/gpu/recipe.sh: $profile, $(date -u +%F), ${REV:-$(git -C "$project" rev-parse --short HEAD 2>/dev/null || echo "?")}"
   echo; echo "COMMON: ${COMMON:-none}"; echo
@@ -121,12 +137,6 @@ first=${names[0]}
    for f in params.yaml metrics reports/eval plots/eval; do [ -e "$n/$f" ] && echo "$n/$f"; done; done))
 cat "$out/summary.md"
 }
-variants=("$@") names=(); declare -A sets parents
-for v in "$@"; do
-  IFS=: read -r name set <<< "$v"
-  [[ $name == *@* ]] && { parents[${name%@*}]=${name#*@}; name=${name%@*}; }
-  names+=("$name"); sets[$name]=$set
-done
 for name in "${names[@]}"; do
   rm -f "$work/$name/.failed"
   (variant "$name" "${sets[$name]}" "${parents[$name]:-}" || { mkdir -p "$work/$name" && touch "$work/$name/.failed"; exit 1; }) &
