@@ -125,11 +125,12 @@ def test_lookup_draft_guesses_what_followed_the_latest_copy_of_the_last_tokens()
     assert lookup_draft(np.array([3, 3, 3, 3]), 4).tolist() == [3]  # a loop: its next token
 
 
-@pytest.mark.parametrize("name", ["llama", "longrope", "dynamic"])
+@pytest.mark.parametrize("name", ["llama", "longrope", "dynamic", "fox_pro", "fox_llama"])
 def test_guessed_tokens_take_fewer_forwards_for_the_same_tokens(name):
     """Decode steps that score the prompt-lookup guesses: each prompt the tokens of one token a
     step (the random models fall into loops that the lookup guesses, so steps keep several
-    tokens), in fewer forwards; LongRoPE's switch and dynamic NTK's growth never inside a step."""
+    tokens), in fewer forwards; LongRoPE's switch and dynamic NTK's growth never inside a step.
+    FoX's refused guesses leave no gate behind, and KV-shift goes on from the last kept row."""
     torch.manual_seed(2)
     model = Transformer(CONFIGS[name]).double().eval()
     prompts = [torch.randint(0, 61, (n,)) for n in (7, 3, 11, 5, 1)]
@@ -179,7 +180,9 @@ def test_decode_kernel_matches_float64(t, h, hk, d):
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 def test_decode_kernel_batched_reads_each_documents_own_length():
     """One launch for three documents of a padded cache (lengths 1, 130, 300 of 320 rows; garbage
-    past each length): each gets what it gets alone, with and without the decay."""
+    past each length): each gets what it gets alone, with and without the decay. Then queries
+    that name their document (three of the third, each over its keys up to its own row, as a
+    step's guesses): each what it gets alone."""
     from longctx.model.fox.decode import decode_attention
 
     dev, dtype = ("cuda", torch.bfloat16) if torch.cuda.is_available() else ("cpu", torch.float32)
@@ -196,6 +199,16 @@ def test_decode_kernel_batched_reads_each_documents_own_length():
         for i, n in enumerate(lengths):
             alone = decode_attention(q[i], k[i, :n], v[i, :n], *((lam_q[i], lam[i, :n]) if decay else ()))
             assert torch.allclose(got[i].float(), alone.float(), atol=1e-2 if dev == "cuda" else 1e-5), (decay, n)
+    docs, ends = [2, 1, 2, 2], [300, 130, 17, 299]
+    qs = torch.randn(len(docs), h, d, generator=gen).to(dev, dtype)
+    lam_qs = torch.stack([lam[i, n - 1] for i, n in zip(docs, ends, strict=True)])
+    for decay in (False, True):
+        extra = (lam_qs, lam) if decay else ()
+        got = decode_attention(qs, k, v, *extra, lengths=torch.tensor(ends, device=dev),
+                               docs=torch.tensor(docs, device=dev))
+        for j, (i, n) in enumerate(zip(docs, ends, strict=True)):
+            alone = decode_attention(qs[j], k[i, :n], v[i, :n], *((lam_qs[j], lam[i, :n]) if decay else ()))
+            assert torch.allclose(got[j].float(), alone.float(), atol=1e-2 if dev == "cuda" else 1e-5), (decay, j)
 
 
 @pytest.mark.gpu

@@ -117,11 +117,11 @@ class Attention(nn.Module):
             if cache is None:
                 k, v = self.k_shift.mix(k, k_gate, ctx.doc_start), self.v_shift.mix(v, v_gate, ctx.doc_start)
             else:  # each document goes on from its last cached token's projections
-                firsts, lasts = ctx.cu_seqlens[:-1].long(), ctx.cu_seqlens[1:].long() - 1
+                firsts = ctx.cu_seqlens[:-1].long()
                 k_raw, v_raw = k, v
                 k = self.k_shift.mix(k, k_gate, ctx.doc_start, cache.k_before, firsts)
                 v = self.v_shift.mix(v, v_gate, ctx.doc_start, cache.v_before, firsts)
-                cache.k_before, cache.v_before = k_raw[lasts], v_raw[lasts]
+                cache.shift(k_raw, v_raw, ctx.cache.step)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         if ctx.cos is not None and fused.wanted(q):
@@ -142,7 +142,7 @@ class Attention(nn.Module):
         if cache is not None:  # (with ACP, prompts into an empty cache prefill pruned, their tiles counted)
             counted: list[torch.Tensor] = []
             backend = ctx.attend if ctx.acp_eps is None else functools.partial(self._pruned, ctx.acp_eps, counted)
-            o = cache.attend(q, k, v, log_f, ctx.host, backend, ctx.scale, last)
+            o = cache.attend(q, k, v, log_f, ctx.cache.step, backend, ctx.scale, last)
             tiles = counted[0] if counted else None
         elif ctx.acp_eps is not None:
             o, tiles = attention.fox_pruned(q, k, v, ctx.cu_seqlens, log_f, eps=ctx.acp_eps,

@@ -37,8 +37,8 @@ every prompt whole (bench/eval_throughput.py --shared-prefix times both)."""
 DRAFT_TOKENS = int(os.environ.get("LONGCTX_DRAFT_TOKENS", "8"))
 """Greedy decoding guesses up to this many tokens a document a step (`lookup_draft`) and keeps
 those the model agrees with, so a step of the batch may add several tokens to each; 0 (env
-LONGCTX_DRAFT_TOKENS=0): one token a step. Plain attention only (a FoX cache carries state past
-each row that a refused guess would leave behind)."""
+LONGCTX_DRAFT_TOKENS=0): one token a step. FoX too: a refused guess's gates are overwritten by
+the next rows, and KV-shift's state goes back to the last kept row's projections (`Cache.trim`)."""
 SHARE_MIN_TOKENS = 4096
 SHARE_MIN_FRACTION = 0.5
 """A prompt takes its prefix from another when they agree on at least this many tokens and this
@@ -69,6 +69,33 @@ def attend_cached(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lam
     return torch.einsum("bhgqk,bkhd->bqhgd", probs, values.to(acc)).reshape(b, n, heads, -1).to(q.dtype)
 
 
+class Step:
+    """Where one forward's new tokens go in a cache, worked out once for all its layers: for each
+    token its document, its row there (its position) and its place among its document's new
+    tokens, for each document the index of its last new token and its length after, on the
+    host and, in one pinned copy (no sync), on the device. `bounds`: the new tokens' host
+    boundaries, one document of the cache each; `starts`: the rows each document held before."""
+
+    def __init__(self, bounds: list[int], starts: list[int], device: torch.device):
+        if len(bounds) != len(starts) + 1:
+            raise ValueError(f"{len(bounds) - 1} documents of new tokens for a cache of {len(starts)}")
+        self.bounds, self.starts = bounds, list(starts)
+        sizes = np.diff(bounds)
+        self.ends = [s + int(z) for s, z in zip(starts, sizes, strict=True)]
+        self.single = bool((sizes == 1).all())  # one token a document: a decode step without guesses
+        self.width = int(sizes.max(initial=0))  # the most new tokens of one document
+        doc = np.repeat(np.arange(len(starts)), sizes)
+        offset = np.arange(bounds[-1]) - np.repeat(bounds[:-1], sizes)
+        lasts = np.maximum(np.asarray(bounds[1:]) - 1, 0)  # (a document without new tokens: a row of no meaning)
+        n, b = bounds[-1], len(starts)
+        parts = (doc, np.asarray(starts, dtype=np.int64)[doc] + offset, offset, np.arange(b), starts, self.ends, lasts,
+                 bounds)
+        buf = to_device(torch.from_numpy(np.concatenate(parts).astype(np.int64)), device)
+        self.doc, self.row, self.offset, self.docs, self.starts_dev, self.ends_dev, self.lasts, cu = buf.split(
+            [n, n, n, b, b, b, b, b + 1])
+        self.cu = cu.int()
+
+
 class LayerCache:
     """One layer's keys, values (and FoX gates) of B documents, padded to a shared capacity."""
 
@@ -80,6 +107,7 @@ class LayerCache:
         self.lengths = [0] * docs
         self.k_before: torch.Tensor | None = None  # [B, Hkv, D]: KV-shift's W x of each document's last token
         self.v_before: torch.Tensor | None = None
+        self._projections: tuple[torch.Tensor, torch.Tensor] | None = None  # the last forward's W x (KV-shift)
 
     def _grow(self, end: int, k: torch.Tensor, v: torch.Tensor, lam: torch.Tensor | None) -> None:
         """Room for `end` rows a document: the prompt's and the reserved answer's at first, then
@@ -100,75 +128,86 @@ class LayerCache:
         self.k, self.v = grown(self.k, k), grown(self.v, v)
         self.lam = grown(self.lam, lam) if lam is not None else None
 
+    def shift(self, k: torch.Tensor, v: torch.Tensor, step: Step) -> None:
+        """KV-shift's state after a forward: the projections W x of its new tokens k, v, each
+        document's last one carried into the next forward (`trim` picks an earlier one)."""
+        self._projections = k, v
+        self.k_before, self.v_before = k[step.lasts], v[step.lasts]
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_f: torch.Tensor | None,
-               bounds: list[int], backend=None, scale: float | None = None, last: bool = False) -> torch.Tensor:
-        """Append the new rows k, v (and the gates) of each document (packed, host boundaries
-        `bounds`, one document of the cache each) and attend the new queries over everything
-        cached. Prompts into an empty cache go through the model's attention backend `backend`
-        with the documents' boundaries. `scale`: the logit scale when queries and keys are wider
-        than the values (SeqPE), else 1 / sqrt(head_dim). `last`: only each document's last new
-        query attends, one a document as in a decode step ([docs, H, D]; a document without new
-        tokens gets a row of no meaning)."""
-        starts = list(self.lengths)
-        spans = list(zip(bounds[:-1], bounds[1:], strict=True))
-        if len(spans) != len(starts):
-            raise ValueError(f"{len(spans)} documents of new tokens for a cache of {len(starts)}")
-        single = all(b - a == 1 for a, b in spans)
-        if single:  # one token a document (a decode step): its rows, for one read and one write for all
-            rows = torch.arange(len(starts), device=k.device)
-            at = to_device(torch.tensor(starts), k.device)  # (pinned: a pageable copy would sync every layer)
-        lam_new = None  # each document's cumulative gate goes on from its last cached key's
-        if log_f is not None and single and self.lam is not None:  # (a few ops, not a few a document)
-            lam_new = log_f.float() + self.lam[rows, (at - 1).clamp(min=0)] * (at > 0)[:, None]
-        elif log_f is not None:
-            lam_new = torch.cat([log_f[a:b].float().cumsum(0) + (self.lam[i, s - 1] if s else 0.0)
-                                 for i, ((a, b), s) in enumerate(zip(spans, starts, strict=True))])
-        self._grow(max(s + b - a for (a, b), s in zip(spans, starts, strict=True)), k, v, lam_new)
-        if single:
-            self.k[rows, at], self.v[rows, at] = k, v
-            if lam_new is not None:
-                self.lam[rows, at] = lam_new
-        else:
-            for i, ((a, b), s) in enumerate(zip(spans, starts, strict=True)):
-                self.k[i, s:s + b - a], self.v[i, s:s + b - a] = k[a:b], v[a:b]
-                if lam_new is not None:
-                    self.lam[i, s:s + b - a] = lam_new[a:b]
-        self.lengths = [s + b - a for (a, b), s in zip(spans, starts, strict=True)]
-        if backend is not None and not any(starts) and not single and not last:
-            cu = torch.tensor(bounds, dtype=torch.int32, device=q.device)
-            return backend(q, k, v, cu, log_f, scale)
+               at: Step | list[int], backend=None, scale: float | None = None, last: bool = False) -> torch.Tensor:
+        """Append the new rows k, v (and the gates) of each document (packed, placed by `at`:
+        the forward's Step, or their host boundaries, one document of the cache each) and attend
+        the new queries over everything cached. Prompts into an empty cache go through the
+        model's attention backend `backend` with the documents' boundaries. `scale`: the logit
+        scale when queries and keys are wider than the values (SeqPE), else 1 / sqrt(head_dim).
+        `last`: only each document's last new query attends, one a document as in a decode step
+        ([docs, H, D]; a document without new tokens gets a row of no meaning)."""
+        step = at if isinstance(at, Step) else Step(at, self.lengths, k.device)
+        if step.starts != self.lengths:
+            raise ValueError(f"a step placed after {step.starts} rows over a cache holding {self.lengths}")
+        lam_new = None if log_f is None else self._gates(log_f.float(), step)
+        self._grow(max(step.ends), k, v, lam_new)
+        self.k[step.doc, step.row], self.v[step.doc, step.row] = k, v  # (one write each, whatever the documents)
+        if lam_new is not None:
+            self.lam[step.doc, step.row] = lam_new
+        self.lengths = list(step.ends)
+        if backend is not None and not any(step.starts) and not step.single and not last:
+            return backend(q, k, v, step.cu, log_f, scale)
         scale = q.shape[-1] ** -0.5 if scale is None else scale
-        if last and not single:
-            ends = torch.tensor([max(b - 1, 0) for _, b in spans], device=q.device)
-            return self._step(q[ends], None if lam_new is None else lam_new[ends], scale)
-        if single:
-            return self._step(q, lam_new, scale)
+        if step.single:
+            return self._step(q, lam_new, scale, step.ends_dev)
+        if last:
+            return self._step(q[step.lasts], None if lam_new is None else lam_new[step.lasts], scale, step.ends_dev)
+        return self._queries(q, lam_new, step, scale)
+
+    def _gates(self, log_f: torch.Tensor, step: Step) -> torch.Tensor:
+        """Each new token's cumulative log forget gate [N, H], going on from its document's last
+        cached key's: a decode step adds one gate to it, several new tokens a document add their
+        running sums, laid out [docs, most new tokens, H] (a few ops, not a few a document)."""
+        if step.single and self.lam is not None:
+            return log_f + self.lam[step.doc, (step.row - 1).clamp(min=0)] * (step.row > 0)[:, None]
+        padded = log_f.new_zeros(len(step.starts), step.width, log_f.shape[-1])
+        padded[step.doc, step.offset] = log_f
+        sums = padded.cumsum(1)
+        if self.lam is not None:
+            starts = step.starts_dev
+            sums = sums + (self.lam[step.docs, (starts - 1).clamp(min=0)] * (starts > 0)[:, None])[:, None]
+        return sums[step.doc, step.offset]
+
+    def _queries(self, q: torch.Tensor, lam_new: torch.Tensor | None, step: Step, scale: float) -> torch.Tensor:
+        """Several new queries a document after its cached rows (a step's guesses, a forked
+        prompt's rest), each over its document's keys up to its own row: one FlashAttention-2
+        call for plain attention on CUDA, the decode kernel a query for FoX's gates, else the
+        float softmax over the documents' new queries side by side."""
         if q.is_cuda and lam_new is None and q.dtype in (torch.float16, torch.bfloat16) \
                 and not head_dim_refused("varlen", q.shape[-1]):
-            return self._continued(q, spans, scale)
-        out = []  # several new tokens after a cached part: a document at a time, causal among them
-        for i, ((a, b), s) in enumerate(zip(spans, starts, strict=True)):
-            if a == b:
-                continue
-            end = s + b - a
-            lam = None if lam_new is None else lam_new[None, a:b]
-            out.append(attend_cached(q[None, a:b], self.k[i:i + 1, :end], self.v[i:i + 1, :end], lam,
-                                     None if lam is None else self.lam[i:i + 1, :end],
-                                     torch.arange(s, end, device=q.device)[None], scale)[0])
-        return torch.cat(out)
+            return self._continued(q, step, scale)
+        top = max(self.lengths)
+        keys, values, lam = self.k[:, :top], self.v[:, :top], None if lam_new is None else self.lam[:, :top]
+        if q.is_cuda and KERNEL and scale == q.shape[-1] ** -0.5:
+            from .fox.decode import decode_attention
 
-    def _continued(self, q: torch.Tensor, spans: list[tuple[int, int]], scale: float) -> torch.Tensor:
+            return decode_attention(q, keys, values, lam_new, lam, lengths=step.row + 1, docs=step.doc)
+        padded = q.new_zeros(len(step.starts), step.width, *q.shape[1:])
+        padded[step.doc, step.offset] = q
+        lam_q = None
+        if lam_new is not None:
+            lam_q = lam_new.new_zeros(*padded.shape[:2], lam_new.shape[-1])
+            lam_q[step.doc, step.offset] = lam_new
+        q_pos = step.starts_dev[:, None] + torch.arange(step.width, device=q.device)
+        return attend_cached(padded, keys, values, lam_q, lam, q_pos, scale)[step.doc, step.offset]
+
+    def _continued(self, q: torch.Tensor, step: Step, scale: float) -> torch.Tensor:
         """New queries of several documents (some may have none) over each one's cached keys, its
         new ones last, in one FlashAttention-2 call over the buffer as it lies: document b's keys
         are the first lengths[b] rows of its row of the buffer, and the causal mask aligns its last
         query with its last key. (No copy of the cache: a decode step's guesses read it once.)"""
         docs, capacity = self.k.shape[:2]
-        cu_q = torch.tensor([0] + [b for _, b in spans], dtype=torch.int32, device=q.device)
         cu_k = torch.arange(0, (docs + 1) * capacity, capacity, dtype=torch.int32, device=q.device)
-        used = torch.tensor(self.lengths, dtype=torch.int32, device=q.device)
         keys, values = (buf.view(docs * capacity, *buf.shape[2:]) for buf in (self.k, self.v))
-        return flash_forward(q.contiguous(), keys, values, cu_q, cu_k, max(b - a for a, b in spans),
-                             max(self.lengths), scale, used)[0]
+        return flash_forward(q.contiguous(), keys, values, step.cu, cu_k, step.width, max(self.lengths), scale,
+                             step.ends_dev.int())[0]
 
     def fork(self, sources: list[int], shared: list[int], rows: int) -> None:
         """Append documents that begin as cached ones: the j-th holds the first shared[j] rows of
@@ -190,12 +229,13 @@ class LayerCache:
         self.k, self.v = forked(self.k), forked(self.v)
         self.lengths = self.lengths + list(shared)
 
-    def _step(self, q: torch.Tensor, lam_new: torch.Tensor | None, scale: float) -> torch.Tensor:
-        """One new query a document, q [B, H, D], over the documents' cached rows."""
+    def _step(self, q: torch.Tensor, lam_new: torch.Tensor | None, scale: float,
+              lengths: torch.Tensor) -> torch.Tensor:
+        """One new query a document, q [B, H, D], over the documents' cached rows (`lengths`, on
+        the device: how many each holds)."""
         top = max(self.lengths)
         keys, values = self.k[:, :top], self.v[:, :top]
         lam = None if lam_new is None else self.lam[:, :top]
-        lengths = to_device(torch.tensor(self.lengths), q.device)
         if q.is_cuda and KERNEL and scale == q.shape[-1] ** -0.5:
             from .fox.decode import decode_attention
 
@@ -211,13 +251,17 @@ class LayerCache:
             if buf is not None:
                 setattr(self, name, buf[rows])
         self.lengths = [self.lengths[i] for i in rows]
+        self._projections = None
 
-    def trim(self, lengths: list[int]) -> None:
+    def trim(self, lengths: list[int], lasts: torch.Tensor | None = None) -> None:
         """Forget each document's rows past lengths[b] (guessed tokens the model did not agree
-        with): they are masked by the lengths and overwritten by the next rows. Plain attention
-        only (FoX's KV-shift keeps the last row's projections)."""
+        with): they are masked by the lengths and overwritten by the next rows; the gates of the
+        rows kept are their own. KV-shift's state goes back to the projections of each
+        document's last row kept, at `lasts` among the last forward's new tokens."""
         if self.k_before is not None:
-            raise ValueError("a KV-shift cache cannot drop rows: it keeps the last row's projections")
+            if lasts is None or self._projections is None:
+                raise ValueError("a KV-shift cache drops rows of its last forward only, given their last rows kept")
+            self.k_before, self.v_before = (p[lasts] for p in self._projections)
         self.lengths = list(lengths)
 
 
@@ -228,6 +272,12 @@ class Cache(list):
         super().__init__(LayerCache(docs, reserve) for _ in range(n_layers))
         self.lengths = [0] * docs
         self.frequencies: list[torch.Tensor | None] = [None] * docs
+        self.step: Step | None = None  # where the current forward's new tokens go, for every layer
+
+    def begin(self, n: int, cu_seqlens: torch.Tensor | list[int] | None, device: torch.device) -> Step:
+        """A forward of n new tokens (`bounds`' split): its Step, which its layers share."""
+        self.step = Step(self.bounds(n, cu_seqlens), self.lengths, device)
+        return self.step
 
     def bounds(self, n: int, cu_seqlens: torch.Tensor | list[int] | None) -> list[int]:
         """The host boundaries of n new tokens over the cache's documents: as given, or the whole
@@ -246,18 +296,28 @@ class Cache(list):
         return bounds
 
     def keep(self, rows: list[int]) -> None:
+        self.step = None  # (its places are of the documents before)
         for layer in self:
             layer.keep(rows)
         self.lengths = [self.lengths[i] for i in rows]
         self.frequencies = [self.frequencies[i] for i in rows]
 
     def trim(self, lengths: list[int]) -> None:
+        """Each document back to lengths[b] rows, keeping at least one of the last forward's new
+        tokens (a decode step's own token before its guesses)."""
+        step = self.step
+        if step is None or not all(s < n <= e for s, n, e in zip(step.starts, lengths, step.ends, strict=True)):
+            raise ValueError(f"trim to {lengths}: each document keeps some of its last forward's new rows "
+                             f"(after {None if step is None else step.starts}, up to {step and step.ends})")
+        lasts = [a + n - s - 1 for a, n, s in zip(step.bounds[:-1], lengths, step.starts, strict=True)]
+        lasts = to_device(torch.tensor(lasts), step.doc.device) if self[0].k_before is not None else None
         for layer in self:
-            layer.trim(lengths)
+            layer.trim(lengths, lasts)
         self.lengths = list(lengths)
 
     def fork(self, sources: list[int], shared: list[int], rows: int) -> None:
         """Append documents that begin as cached ones (LayerCache.fork), in every layer."""
+        self.step = None
         for layer in self:
             layer.fork(sources, shared, rows)
         self.lengths = self.lengths + list(shared)
@@ -377,7 +437,7 @@ def generate_batch(model: Transformer, prompts: list[torch.Tensor], max_new_toke
     step (`lookup_draft`; default DRAFT_TOKENS): the step's forward scores them all, and the
     guesses up to the first the model disagrees with are kept, with its own next token after."""
     share = SHARED_PREFIX if share is None else share
-    draft = (DRAFT_TOKENS if draft is None else draft) if _shareable(model) else 0
+    draft = DRAFT_TOKENS if draft is None else draft
     budgets = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
     device = prompts[0].device
     seqs = [p.reshape(-1).cpu().numpy() for p in prompts]  # the host's copy: each prompt + its new tokens

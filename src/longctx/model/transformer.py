@@ -150,20 +150,18 @@ class Transformer(nn.Module):
         ids = input_ids.reshape(-1)
         n, device = ids.numel(), ids.device
         position_ids_given = position_ids is not None
-        if cache is not None:
+        if cache is not None:  # each new token's row in the cache is its position (one pinned copy: no sync)
             if self.sp_group is not None:
                 raise ValueError("decoding with a cache runs without sequence parallelism")
-            bounds = cache.bounds(n, cu_seqlens)
-            cu_seqlens = torch.tensor(bounds, dtype=torch.int32)
-            cu = to_device(cu_seqlens, device)  # (pinned copies: a decode step queues, no sync)
-            position_ids = packed_positions(cu, n) + to_device(torch.tensor(cache.lengths), device).repeat_interleave(
-                (cu[1:] - cu[:-1]).long(), output_size=n)
-        if cu_seqlens is None:
-            cu_seqlens = torch.arange(0, n + 1, input_ids.shape[-1], dtype=torch.int32)
-        if isinstance(cu_seqlens, (list, tuple)):
-            cu_seqlens = torch.tensor(cu_seqlens, dtype=torch.int32)
-        host = cu_seqlens.tolist() if cu_seqlens.device.type == "cpu" else None
-        cu_seqlens = to_device(cu_seqlens, device, torch.int32)
+            step = cache.begin(n, cu_seqlens, device)
+            host, cu_seqlens, position_ids = step.bounds, step.cu, step.row
+        else:
+            if cu_seqlens is None:
+                cu_seqlens = torch.arange(0, n + 1, input_ids.shape[-1], dtype=torch.int32)
+            if isinstance(cu_seqlens, (list, tuple)):
+                cu_seqlens = torch.tensor(cu_seqlens, dtype=torch.int32)
+            host = cu_seqlens.tolist() if cu_seqlens.device.type == "cpu" else None
+            cu_seqlens = to_device(cu_seqlens, device, torch.int32)
         if position_ids is None:
             position_ids = (packed_positions(cu_seqlens, n) if self.cfg.reset_position_ids
                             else torch.arange(n, device=device) % input_ids.shape[-1])

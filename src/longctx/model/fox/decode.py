@@ -17,19 +17,21 @@ _LOG2E: tl.constexpr = tl.constexpr(LOG2E)
 
 
 @triton.jit(do_not_specialize=["CHUNK"])  # lengths change every token: no recompiling as they do
-def _decode_kernel(Q, K, V, LAMQ, LAMK, M, L, ACC, LENS, CHUNK, skb, sk, slkb, slk, scale, H: tl.constexpr,
-                   GROUPS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr, DECAY: tl.constexpr):
+def _decode_kernel(Q, K, V, LAMQ, LAMK, M, L, ACC, LENS, DOCS, CHUNK, skb, sk, slkb, slk, scale, H: tl.constexpr,
+                   GROUPS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr, DECAY: tl.constexpr,
+                   GATHER: tl.constexpr):
     h = tl.program_id(0)
     c = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)  # (a batch's cache passes 2^31 elements at ~2.8M cached tokens)
+    doc = tl.load(DOCS + b).to(tl.int64) if GATHER else b  # the query's document in the cache
     dims = tl.arange(0, DP)  # D padded to a power of two
     real = dims < D
     row = b * H + h  # (document, head): q, lam_q and the partial results are [B, H, ...] contiguous
     q = tl.load(Q + row * D + dims, mask=real, other=0.0).to(tl.float32) * scale
     lam_q = tl.load(LAMQ + row) if DECAY else 0.0
-    K += b * skb + (h // GROUPS) * D
-    V += b * skb + (h // GROUPS) * D
-    LAMK += b * slkb + h
+    K += doc * skb + (h // GROUPS) * D
+    V += doc * skb + (h // GROUPS) * D
+    LAMK += doc * slkb + h
     lo = c * CHUNK
     hi = tl.minimum(lo + CHUNK, tl.load(LENS + b))  # a shorter document's last chunks read nothing
     m = -float("inf")
@@ -59,19 +61,21 @@ def _decode_kernel(Q, K, V, LAMQ, LAMK, M, L, ACC, LENS, CHUNK, skb, sk, slkb, s
 @torch.compiler.disable  # traced by torch.compile, the scale reached the kernel as fp64 (a compiled model's decode)
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam_q: torch.Tensor | None = None,
                      lam_k: torch.Tensor | None = None, scale: float | None = None,
-                     lengths: torch.Tensor | None = None) -> torch.Tensor:
+                     lengths: torch.Tensor | None = None, docs: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one query per head q [H, D] over all cached keys k, v [T, Hkv, D] (any
     strides with a unit last dim, e.g. a view of a larger buffer), plus lam_q [H] - lam_k[T, H]
     (fp32 cumulative log forget gates) for FoX. Returns [H, D] in q's dtype.
 
     Batched, one launch for B documents (a decode step's): q [B, H, D] over k, v [B, T, Hkv, D],
-    lam_q [B, H], lam_k [B, T, H], document b reading its first lengths[b] keys (int32 on q's device)."""
+    lam_q [B, H], lam_k [B, T, H], document b reading its first lengths[b] keys (integers on q's device).
+    `docs` [B]: query b reads document docs[b] of the cache instead, so that several queries of one
+    document (a decode step's guessed tokens, each over the keys up to its own) go in one launch."""
     if q.dim() == 2:
         return decode_attention(q[None], k[None], v[None], None if lam_q is None else lam_q[None],
                                 None if lam_k is None else lam_k[None], scale)[0]
     b, h, d = q.shape
     t, hk = k.shape[1], k.shape[2]
-    if t == 0 or h % hk or k.stride(-1) != 1 or v.stride() != k.stride() or k.shape[0] != b:
+    if t == 0 or h % hk or k.stride(-1) != 1 or v.stride() != k.stride() or docs is None and k.shape[0] != b:
         raise ValueError(f"decode attention: {b} x {h} heads over a cache {tuple(k.shape)} with strides {k.stride()} "
                          f"(v {v.stride()}): needs keys for each document, heads divisible by KV heads, and k, v "
                          "laid out alike")
@@ -90,8 +94,9 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lam_q: t
     scale = (d**-0.5 if scale is None else scale) * LOG2E
     _decode_kernel[(h, chunks, b)](
         Q=q.contiguous(), K=k, V=v, LAMQ=lam_q if decay else m, LAMK=lam_k if decay else m, M=m, L=den, ACC=acc,
-        LENS=lengths, CHUNK=chunk, skb=k.stride(0), sk=k.stride(1), slkb=lam_k.stride(0) if decay else 0,
+        LENS=lengths, DOCS=lengths if docs is None else docs,
+        CHUNK=chunk, skb=k.stride(0), sk=k.stride(1), slkb=lam_k.stride(0) if decay else 0,
         slk=lam_k.stride(1) if decay else 0, scale=scale, H=h, GROUPS=h // hk, D=d,
-        DP=max(16, 1 << (d - 1).bit_length()), BN=block, DECAY=decay, num_warps=4)
+        DP=max(16, 1 << (d - 1).bit_length()), BN=block, DECAY=decay, GATHER=docs is not None, num_warps=4)
     w = torch.exp2(m - m.amax(-1, keepdim=True))  # merge the chunks' running softmaxes (a chunk past a
     return ((acc * w[..., None]).sum(-2) / (den * w).sum(-1, keepdim=True)).to(q.dtype)  # length: weight 0)
